@@ -1,0 +1,49 @@
+"""Per-epoch timing and throughput, printed as the seeds' one-line summary and logged to TensorBoard."""
+
+import time
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+
+def strategy_devices(trainer: pl.Trainer) -> list[str]:
+    """The devices that hold a model replica in this run, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']."""
+    strategy = trainer.strategy
+    devices = getattr(strategy, "replica_devices", None) or getattr(strategy, "parallel_devices", None)
+    return [str(d) for d in (devices or [strategy.root_device])]
+
+
+class EpochReport(pl.Callback):
+    """Logs `time/epoch_s` (training seconds, validation excluded, as the seeds count it) and
+    `throughput/images_per_s` (training images per second over all processes), then prints
+    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._val_start = 0.0
+        self._val_seconds = 0.0
+        self._images = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start, self._val_seconds, self._images = time.perf_counter(), 0.0, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._images += len(batch[1]) * trainer.world_size
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.training:
+            self._val_seconds += time.perf_counter() - self._val_start
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        seconds = max(time.perf_counter() - self._start - self._val_seconds, 1e-9)
+        throughput = self._images / seconds
+        pl_module.log("time/epoch_s", seconds, on_epoch=True)
+        pl_module.log("throughput/images_per_s", throughput, on_epoch=True)
+        val_acc = trainer.callback_metrics.get("val/acc")
+        acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
+        devices = ", ".join(strategy_devices(trainer))
+        rank_zero_info(f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch, "
+                       f"{throughput:,.0f} images/s on [{devices}]")

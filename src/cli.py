@@ -1,0 +1,32 @@
+"""Command line: `python -m src.cli {fit,validate,test,predict} --config configs/lenet.yaml [...]`."""
+
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+import src.strategies  # noqa: F401  registers our strategies before any Trainer is built
+from src.data.fashion_mnist import FashionMNISTDataModule
+from src.models.classifier import ImageClassifier
+
+
+class CLI(LightningCLI):
+    """LightningCLI plus `--test_after_fit` (evaluate the best checkpoint on the test set after fit)."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--test_after_fit", type=bool, default=False,
+                            help="After fit, run the test set on the best checkpoint and log test/acc.")
+
+    def after_fit(self) -> None:
+        if not self.config.fit.get("test_after_fit"):
+            return
+        ckpt = self.trainer.checkpoint_callback
+        best = "best" if ckpt is not None and getattr(ckpt, "best_model_path", "") else None
+        self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+
+
+def main(args: ArgsType = None) -> CLI:
+    """Build and run the CLI; `args` (a list of strings) replaces sys.argv[1:] for tests."""
+    return CLI(ImageClassifier, FashionMNISTDataModule, subclass_mode_model=True,
+               seed_everything_default=42, args=args)
+
+
+if __name__ == "__main__":
+    main()

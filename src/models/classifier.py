@@ -1,0 +1,137 @@
+"""One LightningModule for every network: loss, accuracy per stage, optimizer and lr schedule from the config."""
+
+import math
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from src.models import LeNet, ResNet18, init_weights
+
+
+class ImageClassifier(pl.LightningModule):
+    """Cross-entropy classifier around `self.net`, a plain `nn.Module` set by the subclass.
+
+    Args:
+        num_classes: Number of classes.
+        optimizer: "sgd" (with momentum/nesterov), "adam" or "adamw".
+        lr: Peak learning rate (> 0).
+        momentum: SGD momentum (0 gives the seeds' plain minibatch SGD).
+        nesterov: Nesterov momentum for SGD.
+        weight_decay: L2 penalty (decoupled for adamw).
+        scheduler: "constant" (the seeds), "cosine" (linear warmup then cosine decay to 0, per step)
+            or "onecycle" (torch's OneCycleLR, per step).
+        warmup_epochs: Epochs of linear warmup for "cosine" (may be fractional).
+        label_smoothing: Cross-entropy label smoothing in [0, 1).
+        init: Weight initialisation: "kaiming", "normal" (seeds' N(0, 0.01)) or "default" (PyTorch's).
+        channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
+    """
+
+    def __init__(self, num_classes: int = 10, optimizer: Literal["sgd", "adam", "adamw"] = "sgd",
+                 lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0,
+                 scheduler: Literal["constant", "cosine", "onecycle"] = "constant", warmup_epochs: float = 0.0,
+                 label_smoothing: float = 0.0, init: Literal["kaiming", "normal", "default"] = "kaiming",
+                 channels_last: bool = False) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"model.lr must be > 0, got {lr}")
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        if weight_decay < 0 or momentum < 0 or warmup_epochs < 0:
+            raise ValueError("model.weight_decay, model.momentum and model.warmup_epochs must be >= 0")
+        self.save_hyperparameters()
+        self.net = self.build_net(num_classes)
+        init_weights(self.net, init)
+        if channels_last:
+            self.net = self.net.to(memory_format=torch.channels_last)
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def build_net(self, num_classes: int) -> nn.Module:
+        """Return the network: x (N, 1, 28, 28) float32 -> logits (N, num_classes)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (N, 1, 28, 28) float32 normalised -> logits (N, num_classes) float32."""
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = self.loss_fn(logits, y)
+        self.train_acc(logits, y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y))
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=len(y))
+        return loss
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str, metric: MulticlassAccuracy) -> None:
+        x, y = batch
+        logits = self(x)
+        metric(logits, y)
+        self.log(f"{stage}/loss", self.loss_fn(logits, y), prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
+        self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=len(y))
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val", self.val_acc)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test", self.test_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.log("hp_metric", self.val_acc.compute(), sync_dist=False)
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Returns predicted class ids (N,) int64."""
+        return self(batch[0]).argmax(dim=1)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.net.named_parameters():
+            (no_decay if p.ndim <= 1 else decay).append(p)  # biases and BN affine: no weight decay
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if hp.optimizer == "sgd":
+            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov and hp.momentum > 0)
+        elif hp.optimizer == "adam":
+            opt = torch.optim.Adam(groups, lr=hp.lr)
+        else:
+            opt = torch.optim.AdamW(groups, lr=hp.lr)
+        if hp.scheduler == "constant":
+            return opt
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        if hp.scheduler == "onecycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp.lr, total_steps=total)
+        else:
+            warmup = int(hp.warmup_epochs * total / max(1, self.trainer.max_epochs or 1))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(warmup, total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+class LeNetClassifier(ImageClassifier):
+    """LeNet of seed multi-gpu-scratch trained as an `ImageClassifier` (see its arguments)."""
+
+    def build_net(self, num_classes: int) -> nn.Module:
+        return LeNet(num_classes)
+
+
+class ResNet18Classifier(ImageClassifier):
+    """ResNet-18 of seed multi-gpu-d2l-pytorch-zh trained as an `ImageClassifier` (see its arguments)."""
+
+    def build_net(self, num_classes: int) -> nn.Module:
+        return ResNet18(num_classes)

@@ -1,0 +1,1 @@
+"""Data-parallel strategies; importing this package registers their short names with Lightning."""
