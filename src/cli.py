@@ -1,6 +1,7 @@
 """Command line: `python -m src.cli {fit,validate,test,predict} --config configs/lenet.yaml [...]`."""
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 import src.strategies  # noqa: F401  registers our strategies before any Trainer is built
 from src.data.fashion_mnist import FashionMNISTDataModule
@@ -19,7 +20,10 @@ class CLI(LightningCLI):
             return
         ckpt = self.trainer.checkpoint_callback
         best = "best" if ckpt is not None and getattr(ckpt, "best_model_path", "") else None
-        self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        if results and "test/acc" in results[0]:
+            rank_zero_info(f"test acc {results[0]['test/acc']:.4f} ({best or 'last'} weights, "
+                           f"{len(self.datamodule.splits['test'][1]):,} test images), run in {self.trainer.log_dir}")
 
 
 def main(args: ArgsType = None) -> CLI:

@@ -1,0 +1,198 @@
+"""Fashion-MNIST as a LightningDataModule: files found offline first, held as uint8 tensors, batched whole."""
+
+import gzip
+import os
+import shutil
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torchvision.datasets import FashionMNIST
+
+from src.data.loader import GlobalBatchSampler, TensorBatchLoader
+
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+MEAN, STD = 0.2860, 0.3530  # of the 60k training images, pixel values in [0, 1]
+CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+
+
+class DataUnavailableError(RuntimeError):
+    """Raised when Fashion-MNIST can be found neither on disk, nor in Debian's package, nor online."""
+
+
+def _unpack_debian(raw: Path, debian_dir: Path) -> bool:
+    """Gunzip Debian's recompressed files into `raw`, each through a temporary name then renamed."""
+    if not all((debian_dir / f"{name}.gz").is_file() for name in RAW_FILES):
+        return False
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in RAW_FILES:
+        if (raw / name).is_file():
+            continue
+        tmp = raw / f".{name}.tmp{os.getpid()}"
+        with gzip.open(debian_dir / f"{name}.gz", "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, raw / name)
+    return True
+
+
+def ensure_raw_files(data_dir: str | Path, debian_dir: str | Path = DEBIAN_DIR, download: bool = True) -> str:
+    """Make the four unpacked IDX files exist under `data_dir/FashionMNIST/raw/`.
+
+    Sources, in order: files already there; Debian's `dataset-fashion-mnist` package (`.gz` files that
+    Debian recompressed, so torchvision's md5 check would fail: they are unpacked here instead);
+    torchvision's download.
+
+    Args:
+        data_dir: Root folder of the dataset.
+        debian_dir: Where Debian's package puts the `.gz` files.
+        download: Whether torchvision may try the network as the last source.
+
+    Returns:
+        Which source was used: "present", "debian" or "download".
+
+    Raises:
+        DataUnavailableError: None of the three sources worked; the message names all three.
+    """
+    raw = Path(data_dir) / "FashionMNIST" / "raw"
+    if all((raw / name).is_file() for name in RAW_FILES):
+        return "present"
+    if _unpack_debian(raw, Path(debian_dir)):
+        return "debian"
+    if download:
+        try:
+            FashionMNIST(str(data_dir), train=True, download=True)
+            FashionMNIST(str(data_dir), train=False, download=True)
+            return "download"
+        except Exception as err:  # any network or checksum failure ends in the same advice
+            reason = f"torchvision's download failed: {err}"
+    else:
+        reason = "download is disabled (data.download=false)"
+    raise DataUnavailableError(
+        f"Fashion-MNIST not found and could not be fetched ({reason}). Get it one of three ways:\n"
+        f"  1. put the four unpacked IDX files ({', '.join(RAW_FILES)}) in {raw}/\n"
+        f"  2. on Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist (files land in {debian_dir})\n"
+        f"  3. go online and keep data.download=true so torchvision downloads them"
+    )
+
+
+def load_split(data_dir: str | Path, train: bool) -> tuple[Tensor, Tensor]:
+    """Read one official split with torchvision's reader.
+
+    Returns:
+        images (N, 28, 28) uint8 and labels (N,) int64; N = 60,000 (train) or 10,000 (test).
+    """
+    ds = FashionMNIST(str(data_dir), train=train, download=False)
+    return ds.data, ds.targets
+
+
+class FashionMNISTDataModule(pl.LightningDataModule):
+    """Fashion-MNIST held as uint8 tensors (47 MB); normalisation and augmentation act on whole batches.
+
+    Args:
+        data_dir: Dataset root; files go to `<data_dir>/FashionMNIST/raw/`.
+        batch_size: Global batch: samples per optimizer step across all devices and processes. The
+            split/allreduce strategy splits it across its replicas; DDP gives each of its world_size
+            processes batch_size / world_size.
+        eval_batch_size: Global batch for validation and test (default: batch_size).
+        val_size: Images of the 60k training set held out for validation (seeded split).
+        split_seed: Seed of the train/val split.
+        shuffle_seed: Base seed of the per-epoch training order (epoch e uses shuffle_seed + e).
+        augment: Random crop (4-pixel zero padding) and horizontal flip of training batches.
+        download: Allow torchvision's download when no local copy is found.
+    """
+
+    def __init__(self, data_dir: str = "data", batch_size: int = 256, eval_batch_size: int | None = None,
+                 val_size: int = 5000, split_seed: int = 42, shuffle_seed: int = 0, augment: bool = False,
+                 download: bool = True) -> None:
+        super().__init__()
+        if batch_size <= 0:
+            raise ValueError(f"data.batch_size must be a positive integer, got {batch_size}")
+        if eval_batch_size is not None and eval_batch_size <= 0:
+            raise ValueError(f"data.eval_batch_size must be a positive integer, got {eval_batch_size}")
+        if not 0 < val_size < 60000:
+            raise ValueError(f"data.val_size must be between 1 and 59,999, got {val_size}")
+        self.save_hyperparameters()
+        self.data_dir, self.batch_size = data_dir, batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.val_size, self.split_seed, self.shuffle_seed = val_size, split_seed, shuffle_seed
+        self.augment, self.download = augment, download
+        self.splits: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def prepare_data(self) -> None:
+        ensure_raw_files(self.data_dir, download=self.download)
+
+    def setup(self, stage: str) -> None:
+        if self.splits:
+            return
+        images, labels = load_split(self.data_dir, train=True)
+        perm = torch.randperm(len(images), generator=torch.Generator().manual_seed(self.split_seed))
+        val_idx, train_idx = perm[: self.val_size], perm[self.val_size:]
+        self.splits = {
+            "train": (images[train_idx], labels[train_idx]),
+            "val": (images[val_idx], labels[val_idx]),
+            "test": load_split(self.data_dir, train=False),
+        }
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _loader(self, split: str, global_batch: int, train: bool) -> TensorBatchLoader:
+        rank, world_size = self._world()
+        if global_batch % world_size:
+            raise ValueError(
+                f"data.batch_size={global_batch} is the global batch and must divide evenly by the "
+                f"world size {world_size} (processes); pick a multiple of {world_size}"
+            )
+        images, labels = self.splits[split]
+        sampler = GlobalBatchSampler(len(images), global_batch, shuffle=train, drop_last=False,
+                                     seed=self.shuffle_seed, rank=rank, world_size=world_size)
+        return TensorBatchLoader(images, labels, sampler)
+
+    def train_dataloader(self) -> TensorBatchLoader:
+        return self._loader("train", self.batch_size, train=True)
+
+    def val_dataloader(self) -> TensorBatchLoader:
+        return self._loader("val", self.eval_batch_size, train=False)
+
+    def test_dataloader(self) -> TensorBatchLoader:
+        return self._loader("test", self.eval_batch_size, train=False)
+
+    def predict_dataloader(self) -> TensorBatchLoader:
+        return self._loader("test", self.eval_batch_size, train=False)
+
+    def on_before_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
+        """(x (B, 28, 28) uint8, y (B,) int64) -> (x (B, 1, 28, 28) float32 normalised, y).
+
+        Runs once on the whole global batch before any split, so every strategy sees the same inputs.
+        """
+        x, y = batch
+        x = x.unsqueeze(1).float().div_(255.0)
+        if self.augment and self.trainer is not None and self.trainer.training:
+            x = random_crop_flip(x)
+        return x.sub_(MEAN).div_(STD), y
+
+
+def random_crop_flip(x: Tensor, pad: int = 4) -> Tensor:
+    """Per-image random crop after zero padding, and a random horizontal flip, for a whole batch.
+
+    Args:
+        x: (B, C, H, W) float.
+        pad: Zero padding on each side; crop offsets are drawn from [0, 2 * pad].
+
+    Returns:
+        (B, C, H, W) float, a new tensor.
+    """
+    b, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b,), device=x.device)
+    dx = torch.randint(0, 2 * pad + 1, (b,), device=x.device)
+    rows = (dy[:, None] + torch.arange(h, device=x.device)[None, :])  # (B, H)
+    cols = (dx[:, None] + torch.arange(w, device=x.device)[None, :])  # (B, W)
+    flip = torch.rand(b, device=x.device) < 0.5
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    bidx = torch.arange(b, device=x.device)[:, None, None]
+    out = padded.permute(0, 2, 3, 1)[bidx, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
+    return out.permute(0, 3, 1, 2).contiguous()

@@ -1,0 +1,120 @@
+"""Batches straight from in-memory tensors: one index op per batch, no per-sample work, no workers.
+
+The sampler decides the order of the *global* batches; under multi-process DDP each rank takes its
+contiguous slice of every global batch, so one optimizer step sees the same samples whatever the
+strategy (single device, the split/allreduce strategy, or DDP with any world size).
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+
+def shard_sizes(n: int, weights: list[float]) -> list[int]:
+    """Split `n` samples into len(weights) shares proportional to `weights`, none dropped.
+
+    Largest-remainder rounding: equal weights give shares that differ by at most one sample
+    (seed multi-gpu-scratch `split_and_load`, without its requirement that n divides evenly).
+
+    Args:
+        n: Number of samples (>= 0).
+        weights: Positive relative sizes, one per shard.
+
+    Returns:
+        Shard sizes (ints) that sum to `n`.
+
+    Raises:
+        ValueError: If `weights` is empty or holds a value <= 0.
+    """
+    if not weights or any(w <= 0 for w in weights):
+        raise ValueError(f"split weights must be a non-empty list of positive numbers, got {weights}")
+    total = float(sum(weights))
+    exact = [n * w / total for w in weights]
+    sizes = [int(e) for e in exact]
+    order = sorted(range(len(weights)), key=lambda i: (exact[i] - sizes[i], -i), reverse=True)
+    for i in order[: n - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+class GlobalBatchSampler:
+    """Yields index tensors of this rank's part of each global batch.
+
+    Args:
+        num_samples: Size of the dataset.
+        global_batch: Samples per optimizer step across all ranks.
+        shuffle: Draw a new permutation each epoch from `seed + epoch` (same on every rank).
+        drop_last: Drop a final global batch smaller than `global_batch`.
+        seed: Base seed of the permutation.
+        rank: This process's rank in [0, world_size).
+        world_size: Number of processes sharing each global batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, shuffle: bool, drop_last: bool,
+                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start_batch = 0  # batches of this epoch already consumed (mid-epoch resume)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of `epoch` (Lightning calls this before each epoch)."""
+        if epoch != self.epoch:
+            self.start_batch = 0
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        weights = [1.0] * self.world_size
+        start, self.start_batch = self.start_batch, 0
+        for b in range(start, len(self)):
+            batch = order[b * self.global_batch:(b + 1) * self.global_batch]
+            sizes = shard_sizes(len(batch), weights)
+            lo = sum(sizes[: self.rank])
+            yield batch[lo:lo + sizes[self.rank]]
+
+
+class TensorBatchLoader:
+    """Iterates (images, labels) batches by indexing whole in-memory tensors.
+
+    Behaves like a DataLoader where Lightning looks: `len()`, `sampler.set_epoch`, and
+    `state_dict`/`load_state_dict`, so a run saved mid-epoch resumes at the next unseen batch.
+
+    Args:
+        images: (N, 28, 28) uint8.
+        labels: (N,) int64.
+        sampler: Yields the index tensor of each batch.
+    """
+
+    def __init__(self, images: Tensor, labels: Tensor, sampler: GlobalBatchSampler) -> None:
+        self.images, self.labels, self.sampler = images, labels, sampler
+        self.batch_sampler = None  # as a DataLoader with batch_size=None: the sampler yields whole batches
+        self._yielded = 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        self._yielded = self.sampler.start_batch
+        for idx in self.sampler:
+            self._yielded += 1
+            yield self.images[idx], self.labels[idx]
+
+    def state_dict(self) -> dict:
+        """Epoch and number of batches of it already handed out."""
+        return {"epoch": self.sampler.epoch, "batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the saved epoch after its last handed-out batch."""
+        self.sampler.epoch = state["epoch"]
+        self.sampler.start_batch = state["batches_yielded"]
