@@ -56,7 +56,12 @@ class ImageClassifier(pl.LightningModule):
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: (N, 1, 28, 28) float32 normalised -> logits (N, num_classes) float32."""
+        """x: (N, 1, 28, 28) float normalised -> logits (N, num_classes) in the module's dtype.
+
+        The input is cast to the module's dtype (a no-op in float32 and under autocast), so `precision:
+        64-true` works with the DataModule's float32 batches.
+        """
+        x = x.to(self.dtype)
         if self.hparams.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x)

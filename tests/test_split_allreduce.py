@@ -1,0 +1,188 @@
+"""The hand-written strategy against single-device training: same parameters, same metrics, same checkpoints."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from src.models.classifier import LeNetClassifier, ResNet18Classifier
+from src.strategies import SplitAllreduceStrategy
+from tests.strategy_runs import assert_replicas_bitwise_equal, fit, max_param_diff
+
+CPU = "cpu"
+
+
+@pytest.fixture(scope="module")
+def single_sgd(tiny_data_dir):
+    """The single-device reference: 20 steps of SGD with momentum, global batch 25."""
+    return fit(tiny_data_dir)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "reduce_broadcast"])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_k_replicas_equal_single_device(tiny_data_dir, single_sgd, k, algorithm):
+    ref, ref_trainer, _ = single_sgd
+    strategy = SplitAllreduceStrategy(devices=[CPU] * k, allreduce=algorithm)
+    model, trainer, snap = fit(tiny_data_dir, strategy)
+    assert trainer.global_step == 20
+    assert max_param_diff(model, ref) <= 1e-6
+    assert_replicas_bitwise_equal(snap, k)
+    # epoch aggregates logged from every replica equal the single-device ones
+    assert trainer.callback_metrics["train/acc"].item() == ref_trainer.callback_metrics["train/acc"].item()
+    torch.testing.assert_close(trainer.callback_metrics["train/loss_epoch"],
+                               ref_trainer.callback_metrics["train/loss_epoch"], rtol=0, atol=1e-9)
+    assert strategy.bytes_sent and all(b > 0 for b in strategy.bytes_sent)
+
+
+@pytest.mark.parametrize("batch_size, weights", [(257, None), (257, [3, 1]), (100, [1, 2, 1])])
+def test_uneven_batches_and_split_weights(tiny_data_dir, batch_size, weights):
+    k = len(weights) if weights else 2
+    ref, _, _ = fit(tiny_data_dir, batch_size=batch_size, steps=6)
+    model, _, snap = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * k, split_weights=weights),
+                         batch_size=batch_size, steps=6)
+    assert max_param_diff(model, ref) <= 1e-6
+    assert_replicas_bitwise_equal(snap, k)
+
+
+def test_shard_sizes_follow_the_weights():
+    s = SplitAllreduceStrategy(devices=[CPU, CPU], split_weights=[3, 1])
+    assert s.shard_sizes(256) == [192, 64]
+    assert SplitAllreduceStrategy(devices=[CPU, CPU]).shard_sizes(257) == [129, 128]
+    with pytest.raises(ValueError, match="1 sample.*2 replicas.*batch_size"):
+        s.shard_sizes(1)
+
+
+@pytest.mark.parametrize("feature", ["adam_cosine", "clipping", "accumulation"])
+def test_optimizers_schedules_clipping_and_accumulation(tiny_data_dir, feature):
+    options = {
+        "adam_cosine": dict(model_kwargs={"optimizer": "adam", "lr": 0.01, "scheduler": "cosine", "warmup_epochs": 0.5}),
+        "clipping": dict(gradient_clip_val=0.05),
+        "accumulation": dict(accumulate_grad_batches=2, batch_size=20),
+    }[feature]
+    ref, _, _ = fit(tiny_data_dir, steps=10, **options)
+    model, _, snap = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=10,
+                         **options)
+    assert max_param_diff(model, ref) <= 1e-6
+    assert_replicas_bitwise_equal(snap, 2)
+
+
+def test_auto_split_fixes_shares_after_timing(tiny_data_dir, capsys):
+    strategy = SplitAllreduceStrategy(devices=[CPU, CPU], split_weights="auto", auto_split_steps=3)
+    ref, _, _ = fit(tiny_data_dir, steps=8)
+    model, _, _ = fit(tiny_data_dir, strategy, steps=8)
+    weights = strategy.split_weights
+    assert isinstance(weights, list) and len(weights) == 2 and all(w > 0 for w in weights)
+    assert abs(sum(weights) - 1) < 1e-9
+    assert max_param_diff(model, ref) <= 1e-6  # whatever the shares, the gradient weighting stays exact
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "mean"])
+def test_resnet_batchnorm_buffers_stay_equal(tiny_data_dir, mode):
+    strategy = SplitAllreduceStrategy(devices=[CPU, CPU], sync_buffers=mode, check_sync_every=1)
+    _, _, snap = fit(tiny_data_dir, strategy, model_cls=ResNet18Classifier, steps=2, batch_size=8, precision="32-true")
+    assert_replicas_bitwise_equal(snap, 2)
+    means = [v for k, v in snap.states[0].items() if k.endswith("running_mean")]
+    assert means and all(m.abs().sum() > 0 for m in means)  # the statistics really moved
+
+
+def test_buffer_mean_averages_the_replicas():
+    from src.strategies.replicas import sync_buffers_
+
+    a, b = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    a.running_mean.fill_(1.0), b.running_mean.fill_(3.0)
+    sync_buffers_([a, b], "mean")
+    assert torch.equal(a.running_mean, torch.full((3,), 2.0)) and torch.equal(b.running_mean, a.running_mean)
+    b.running_mean.fill_(5.0)
+    sync_buffers_([a, b], "broadcast")
+    assert torch.equal(b.running_mean, torch.full((3,), 2.0))
+
+
+def _validate(data_dir, strategy, eval_batch_size=37):
+    from src.data.fashion_mnist import FashionMNISTDataModule
+
+    pl.seed_everything(0, verbose=False)
+    model = LeNetClassifier()
+    dm = FashionMNISTDataModule(str(data_dir), batch_size=32, eval_batch_size=eval_batch_size, val_size=100,
+                                download=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    return trainer.validate(model, dm, verbose=False)[0], trainer.test(model, dm, verbose=False)[0]
+
+
+def test_split_evaluation_equals_single_device(tiny_data_dir):
+    (val1, test1) = _validate(tiny_data_dir, "auto")
+    (val3, test3) = _validate(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 3, split_weights=[2, 1, 1]))
+    assert val3["val/acc"] == val1["val/acc"] and test3["test/acc"] == test1["test/acc"]
+    assert abs(val3["val/loss"] - val1["val/loss"]) < 1e-6
+
+
+def test_resume_equals_uninterrupted(tiny_data_dir, tmp_path):
+    def run(root, epochs, ckpt=None):
+        pl.seed_everything(0, verbose=False)
+        from src.data.fashion_mnist import FashionMNISTDataModule
+
+        model = LeNetClassifier(lr=0.05, momentum=0.9, scheduler="cosine", warmup_epochs=1)
+        dm = FashionMNISTDataModule(str(tiny_data_dir), batch_size=64, val_size=100, download=False)
+        ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True)
+        trainer = pl.Trainer(accelerator="cpu", strategy=SplitAllreduceStrategy(devices=[CPU, CPU]), max_epochs=epochs,
+                             limit_val_batches=1, logger=False, callbacks=[ckpt_cb], enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(model, dm, ckpt_path=ckpt)
+        return model
+
+    whole = run(tmp_path / "whole", 3)
+    run(tmp_path / "part", 1)
+    ckpt = torch.load(tmp_path / "part" / "last.ckpt", weights_only=False)
+    assert not any(k.startswith(("replica", "module.")) for k in ckpt["state_dict"])  # replica 0 only, plain keys
+    resumed = run(tmp_path / "part", 3, ckpt=str(tmp_path / "part" / "last.ckpt"))
+    assert max_param_diff(whole, resumed) == 0.0
+
+
+def test_bf16_mixed_keeps_replicas_in_sync(tiny_data_dir):
+    ref, ref_trainer, _ = fit(tiny_data_dir, steps=5, precision="bf16-mixed", model_kwargs={"lr": 0.01})
+    model, trainer, snap = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=5,
+                               precision="bf16-mixed", model_kwargs={"lr": 0.01})
+    assert_replicas_bitwise_equal(snap, 2)
+    assert max_param_diff(model, ref) < 1e-2  # bf16 forward: equal up to bf16 rounding of differently sized matmuls
+    assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
+
+
+class _Corrupt(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 2:
+            with torch.no_grad():
+                trainer.strategy.replica_parameter(1, "net.classifier.3.bias").add_(1e-3)
+
+
+def test_desync_check_names_the_parameter(tiny_data_dir):
+    from src.strategies.replicas import ReplicaDesyncError
+
+    with pytest.raises(ReplicaDesyncError, match=r"replica 1 on cpu differs from replica 0 at 'net.classifier.3.bias'"):
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=6,
+            callbacks=[_Corrupt()])
+
+
+def test_grad_norms_bytes_and_replica_parameters_are_inspectable(tiny_data_dir, tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Peek(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            s = trainer.strategy
+            self.same = torch.equal(s.replica_parameter(1, "net.features.0.weight"), pl_module.net.features[0].weight)
+
+    peek = Peek()
+    strategy = SplitAllreduceStrategy(devices=[CPU, CPU], log_grad_norms=True)
+    fit(tiny_data_dir, strategy, steps=4, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1, callbacks=[peek])
+    assert peek.same
+    ea = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"grad_norm/replica_0", "grad_norm/replica_1", "comm/bytes_sent_per_device_max"} <= tags
+    n_params = sum(p.numel() for p in LeNetClassifier().parameters())
+    assert ea.Scalars("comm/bytes_sent_per_device_max")[-1].value == n_params * 8  # K = 2 ring: N float64 bytes
+
+
+def test_registered_short_name_builds_k_from_trainer_devices():
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy="split_allreduce", logger=False)
+    assert isinstance(trainer.strategy, SplitAllreduceStrategy)
+    assert trainer.strategy.num_replicas == 3 and trainer.world_size == 1

@@ -1,0 +1,106 @@
+"""Each unsupported or impossible setup of the hand-written strategy stops with a message that names it."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from src.cli import main
+from src.models.classifier import LeNetClassifier
+from src.strategies import SplitAllreduceStrategy
+from tests.strategy_runs import fit
+
+
+@pytest.mark.parametrize("devices, message", [
+    (["cuda:3"], "cuda:3"),
+    (["cpu", "cuda"], "no CUDA GPU" if not torch.cuda.is_available() else "cuda"),
+    (["tpu:0"], "'tpu:0'"),
+    ([], "at least one device"),
+])
+def test_devices_that_do_not_exist(devices, message):
+    if devices == ["cuda:3"] and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a cuda:3")
+    with pytest.raises(ValueError, match=message):
+        SplitAllreduceStrategy(devices=devices)
+
+
+@pytest.mark.parametrize("weights, message", [
+    ([1, 1, 1], "3 entries but there are 2 devices"),
+    ([1, 0], "positive"),
+    ([2, -1], "positive"),
+    ("fast", "'auto'"),
+])
+def test_bad_split_weights(weights, message):
+    with pytest.raises(ValueError, match=message):
+        SplitAllreduceStrategy(devices=["cpu", "cpu"], split_weights=weights)
+
+
+def test_split_weights_checked_against_devices_from_the_trainer(tiny_data_dir):
+    with pytest.raises(ValueError, match="3 entries but there are 2 replicas"):
+        fit(tiny_data_dir, SplitAllreduceStrategy(split_weights=[1, 1, 1]), devices=2, steps=1)
+
+
+def test_unknown_algorithm_and_buffer_mode():
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):
+        SplitAllreduceStrategy(devices=["cpu"], allreduce="tree")
+    with pytest.raises(ValueError, match="unknown sync_buffers mode 'median'"):
+        SplitAllreduceStrategy(devices=["cpu"], sync_buffers="median")
+
+
+def test_batch_smaller_than_replica_count(tiny_data_dir):
+    with pytest.raises(ValueError, match="batch of 2 sample.*3 replicas"):
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu"] * 3), batch_size=2, steps=1)
+
+
+class _Manual(LeNetClassifier):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.loss_fn(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_manual_optimization_is_refused(tiny_data_dir):
+    with pytest.raises(RuntimeError, match="automatic optimization only"):
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), model_cls=_Manual, steps=1)
+
+
+def test_launch_by_torchrun_is_refused(tiny_data_dir, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="one of several started by torchrun.*trainer.strategy: ddp"):
+        SplitAllreduceStrategy(devices=["cpu", "cpu"]).setup_environment()
+
+
+def test_launch_by_slurm_is_refused(monkeypatch):
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    with pytest.raises(RuntimeError, match="SLURM"):
+        SplitAllreduceStrategy(devices=["cpu", "cpu"]).setup_environment()
+
+
+def test_sync_batchnorm_is_refused(tiny_data_dir):
+    with pytest.raises(RuntimeError, match="sync_batchnorm"):
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), sync_batchnorm=True, steps=1)
+
+
+def test_overlay_config_runs_through_the_cli(fast_args, tmp_path):
+    cli = main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml", *fast_args])
+    assert isinstance(cli.trainer.strategy, SplitAllreduceStrategy)
+    run = tmp_path / "logs" / "lenet" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert "SplitAllreduceStrategy" in (run / "config.yaml").read_text()
+    assert 0.0 <= cli.trainer.callback_metrics["test/acc"].item() <= 1.0
+
+
+def test_cli_short_name_and_algorithm_switch(fast_args):
+    cli = main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--trainer.strategy", "split_allreduce",
+                "--trainer.devices", "2", "--test_after_fit", "false"])
+    assert cli.trainer.strategy.num_replicas == 2
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml", *fast_args,
+              "--trainer.strategy.init_args.allreduce", "tree"])
