@@ -16,19 +16,24 @@ def strategy_devices(trainer: pl.Trainer) -> list[str]:
 class EpochReport(pl.Callback):
     """Logs `time/epoch_s` (training seconds, validation excluded, as the seeds count it) and
     `throughput/images_per_s` (training images per second over all processes), then prints
-    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0.
+    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0 (with the number of
+    batches run when an epoch was cut short by max_steps or limit_train_batches).
+
+    Also counts the images of the last test run over all processes (`test_images`).
     """
 
     def __init__(self) -> None:
         self._start = self._val_start = 0.0
         self._val_seconds = 0.0
-        self._images = 0
+        self._images = self._batches = 0
+        self.test_images = 0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start, self._val_seconds, self._images = time.perf_counter(), 0.0, 0
+        self._start, self._val_seconds, self._images, self._batches = time.perf_counter(), 0.0, 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._images += len(batch[1]) * trainer.world_size
+        self._batches += 1
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         self._val_start = time.perf_counter()
@@ -36,6 +41,12 @@ class EpochReport(pl.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.training:
             self._val_seconds += time.perf_counter() - self._val_start
+
+    def on_test_epoch_start(self, trainer, pl_module) -> None:
+        self.test_images = 0
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.test_images += len(batch[1]) * trainer.world_size
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         seconds = max(time.perf_counter() - self._start - self._val_seconds, 1e-9)
@@ -45,5 +56,7 @@ class EpochReport(pl.Callback):
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
         devices = ", ".join(strategy_devices(trainer))
-        rank_zero_info(f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch, "
+        total = trainer.num_training_batches
+        partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
+        rank_zero_info(f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
                        f"{throughput:,.0f} images/s on [{devices}]")

@@ -4,6 +4,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 import src.strategies  # noqa: F401  registers our strategies before any Trainer is built
+from src.callbacks import EpochReport
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import ImageClassifier
 
@@ -21,9 +22,11 @@ class CLI(LightningCLI):
         ckpt = self.trainer.checkpoint_callback
         best = "best" if ckpt is not None and getattr(ckpt, "best_model_path", "") else None
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        reports = [c for c in self.trainer.callbacks if isinstance(c, EpochReport)]
+        images = f", {reports[0].test_images:,} test images" if reports else ""
         if results and "test/acc" in results[0]:
-            rank_zero_info(f"test acc {results[0]['test/acc']:.4f} ({best or 'last'} weights, "
-                           f"{len(self.datamodule.splits['test'][1]):,} test images), run in {self.trainer.log_dir}")
+            rank_zero_info(f"test acc {results[0]['test/acc']:.4f} ({best or 'last'} weights{images}), "
+                           f"run in {self.trainer.log_dir}")
 
 
 def main(args: ArgsType = None) -> CLI:

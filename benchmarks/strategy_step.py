@@ -1,0 +1,102 @@
+"""LeNet training step time: single device vs the split/allreduce strategy with K replicas, side by side.
+
+    python -m benchmarks.strategy_step                 # real data if present under data/, else synthetic
+    python -m benchmarks.strategy_step --rounds 5 --steps 40 --k 2
+
+Runs the real Trainer for `--steps` optimizer steps per trial, alternating single, K replicas, single, ...
+(`--rounds` times each), and reports the median seconds per step of each and their ratio, measured in the
+same run (machines here are shared and noisy: compare ratios, not absolute times). Then prints the bytes
+each device sent in one step for both allreduce algorithms and K = 2, 3, 4, next to the ring's
+2(K-1)/K * N.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from src.data.fashion_mnist import FashionMNISTDataModule
+from src.models.classifier import LeNetClassifier
+from src.strategies import SplitAllreduceStrategy
+
+warnings.filterwarnings("ignore")
+
+
+class StepTimer(pl.Callback):
+    """Wall-clock seconds of each training batch (forward, backward, allreduce, optimizer step)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._t = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seconds.append(time.perf_counter() - self._t)
+
+
+def data_dir() -> str:
+    """`data/` when the real Fashion-MNIST is unpacked there, else a synthetic set of the same size."""
+    if (Path("data") / "FashionMNIST" / "raw" / "train-images-idx3-ubyte").is_file():
+        return "data"
+    from tests.idx import write_fashion_mnist
+
+    root = Path(tempfile.mkdtemp(prefix="fmnist-bench-"))
+    write_fashion_mnist(root / "FashionMNIST" / "raw", n_train=60000, n_test=10000)
+    return str(root)
+
+
+def run(strategy, steps: int, batch: int, root: str) -> tuple[list[float], pl.Trainer]:
+    """Fit `steps` steps of LeNet (SGD, momentum 0.9) and return each step's seconds."""
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, limit_val_batches=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer])
+    trainer.fit(LeNetClassifier(lr=0.1, momentum=0.9), FashionMNISTDataModule(root, batch_size=batch, download=False))
+    return timer.seconds, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=2, help="replicas for the timed comparison")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per trial (first 5 not counted)")
+    parser.add_argument("--rounds", type=int, default=5, help="trials of each, alternated")
+    parser.add_argument("--batch", type=int, default=256, help="global batch")
+    args = parser.parse_args()
+    root = data_dir()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"lightning {pl.__version__}, {torch.get_num_threads()} threads, data: {root}")
+    medians: dict[str, list[float]] = {"single": [], f"K={args.k}": []}
+    for r in range(args.rounds):
+        for name in medians:
+            strategy = "auto" if name == "single" else SplitAllreduceStrategy(devices=["cpu"] * args.k)
+            seconds, _ = run(strategy, args.steps, args.batch, root)
+            medians[name].append(statistics.median(seconds[5:]))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {m[-1] * 1e3:.2f} ms/step" for n, m in medians.items()))
+    single, multi = (statistics.median(m) for m in medians.values())
+    print(f"\nLeNet, global batch {args.batch}: single {single * 1e3:.2f} ms/step, K={args.k} replicas "
+          f"{multi * 1e3:.2f} ms/step, ratio {multi / single:.3f} (median of {args.rounds} alternated trials)")
+
+    print("\nbytes sent per device in one step (LeNet gradients, float32)")
+    n_bytes = sum(p.numel() for p in LeNetClassifier().parameters()) * 4
+    print(f"| K | algorithm | bytes per device (replica 0 first) | ring's 2(K-1)/K * N |")
+    print("|---|---|---|---|")
+    for k in (2, 3, 4):
+        for algorithm in ("reduce_broadcast", "ring"):
+            strategy = SplitAllreduceStrategy(devices=["cpu"] * k, allreduce=algorithm)
+            run(strategy, 1, args.batch, root)
+            print(f"| {k} | {algorithm} | {', '.join(f'{b:,}' for b in strategy.bytes_sent)} | "
+                  f"{2 * (k - 1) * n_bytes / k:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
