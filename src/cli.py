@@ -6,15 +6,22 @@ from lightning.pytorch.utilities import rank_zero_info
 import src.strategies  # noqa: F401  registers our strategies before any Trainer is built
 from src.callbacks import EpochReport
 from src.data.fashion_mnist import FashionMNISTDataModule
+from src.launch_checks import check_before_run
 from src.models.classifier import ImageClassifier
 
 
 class CLI(LightningCLI):
-    """LightningCLI plus `--test_after_fit` (evaluate the best checkpoint on the test set after fit)."""
+    """LightningCLI plus `--test_after_fit` (evaluate the best checkpoint on the test set after fit) and the
+    launch checks of `src.launch_checks`, run before any subcommand starts (and before DDP spawns processes)."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=False,
                             help="After fit, run the test set on the best checkpoint and log test/acc.")
+
+    def _check(self) -> None:
+        check_before_run(self.trainer, self.datamodule)
+
+    before_fit = before_validate = before_test = before_predict = _check
 
     def after_fit(self) -> None:
         if not self.config.fit.get("test_after_fit"):

@@ -22,7 +22,7 @@ class ReplicaSnapshot(pl.Callback):
 
 def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: int = 20, batch_size: int = 25,
         precision: str = "64-true", model_kwargs: dict | None = None, data_kwargs: dict | None = None,
-        callbacks: list | None = None, **trainer_kwargs) -> tuple[pl.LightningModule, pl.Trainer, ReplicaSnapshot]:
+        callbacks: list | None = None, ckpt_path: str | None = None, **trainer_kwargs) -> tuple[pl.LightningModule, pl.Trainer, ReplicaSnapshot]:
     """Fit `steps` optimizer steps from seed 0; returns the model, the trainer and the replica snapshot.
 
     float64 by default: float32 rounding of the differently ordered gradient sums grows over steps at high
@@ -31,6 +31,10 @@ def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: in
     """
     pl.seed_everything(0, verbose=False)
     model = model_cls(**{"lr": 0.05, "momentum": 0.9, **(model_kwargs or {})})
+    if precision == "64-true":
+        # ddp_spawn trains copies in worker processes and loads their final weights back into this model:
+        # it must already be float64 or those weights are rounded to float32 on the way back
+        model = model.double()
     dm = FashionMNISTDataModule(str(data_dir), batch_size=batch_size, val_size=100, download=False,
                                 **(data_kwargs or {}))
     snapshot = ReplicaSnapshot()
@@ -39,8 +43,26 @@ def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: in
                   enable_model_summary=False, callbacks=[snapshot, *(callbacks or [])])
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(model, dm)
+    trainer.fit(model, dm, ckpt_path=ckpt_path)
     return model, trainer, snapshot
+
+
+class StopAfterEpoch(pl.Callback):
+    """Ends fit after `epoch` as if the job were stopped there, leaving the schedule sized for max_epochs."""
+
+    def __init__(self, epoch: int = 0) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
+
+
+def ddp(**kwargs):
+    """Lightning's DDP on 2 CPU processes over gloo, spawned (the launcher that works inside pytest)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(start_method="spawn", process_group_backend="gloo", **kwargs)
 
 
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:

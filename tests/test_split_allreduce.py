@@ -6,7 +6,7 @@ import torch
 
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import assert_replicas_bitwise_equal, fit, max_param_diff
+from tests.strategy_runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
 
 CPU = "cpu"
 
@@ -116,21 +116,22 @@ def test_split_evaluation_equals_single_device(tiny_data_dir):
 
 
 def test_resume_equals_uninterrupted(tiny_data_dir, tmp_path):
-    def run(root, epochs, ckpt=None):
+    def run(root, epochs, ckpt=None, stop_after=None):
         pl.seed_everything(0, verbose=False)
         from src.data.fashion_mnist import FashionMNISTDataModule
 
-        model = LeNetClassifier(lr=0.05, momentum=0.9, scheduler="cosine", warmup_epochs=1)
+        model = LeNetClassifier(lr=0.05, momentum=0.9, scheduler="cosine", warmup_epochs=0.5)
         dm = FashionMNISTDataModule(str(tiny_data_dir), batch_size=64, val_size=100, download=False)
-        ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True)
+        callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True)]
+        callbacks += [StopAfterEpoch(stop_after)] if stop_after is not None else []
         trainer = pl.Trainer(accelerator="cpu", strategy=SplitAllreduceStrategy(devices=[CPU, CPU]), max_epochs=epochs,
-                             limit_val_batches=1, logger=False, callbacks=[ckpt_cb], enable_progress_bar=False,
+                             limit_val_batches=1, logger=False, callbacks=callbacks, enable_progress_bar=False,
                              enable_model_summary=False)
         trainer.fit(model, dm, ckpt_path=ckpt)
         return model
 
     whole = run(tmp_path / "whole", 3)
-    run(tmp_path / "part", 1)
+    run(tmp_path / "part", 3, stop_after=0)  # the same job, stopped after its first epoch
     ckpt = torch.load(tmp_path / "part" / "last.ckpt", weights_only=False)
     assert not any(k.startswith(("replica", "module.")) for k in ckpt["state_dict"])  # replica 0 only, plain keys
     resumed = run(tmp_path / "part", 3, ckpt=str(tmp_path / "part" / "last.ckpt"))

@@ -21,9 +21,12 @@ class ImageClassifier(pl.LightningModule):
         momentum: SGD momentum (0 gives the seeds' plain minibatch SGD).
         nesterov: Nesterov momentum for SGD.
         weight_decay: L2 penalty (decoupled for adamw).
-        scheduler: "constant" (the seeds), "cosine" (linear warmup then cosine decay to 0, per step)
-            or "onecycle" (torch's OneCycleLR, per step).
-        warmup_epochs: Epochs of linear warmup for "cosine" (may be fractional).
+        scheduler: "constant" (the seeds), "cosine" (cosine decay to 0, per step) or "onecycle" (torch's
+            OneCycleLR, per step). "constant" and "cosine" start with `warmup_epochs` of linear warmup.
+        warmup_epochs: Epochs of linear warmup from lr / warmup_steps to lr (may be fractional).
+        base_batch_size: Linear scaling rule (Goyal et al. 2017, and the seeds' 256 -> lr 0.1, 512 -> lr
+            0.2): when set, the lr used is `lr * global_batch / base_batch_size`, where the global batch is
+            the DataModule's batch_size times accumulate_grad_batches. Logged as the hparam `lr_scaled`.
         label_smoothing: Cross-entropy label smoothing in [0, 1).
         init: Weight initialisation: "kaiming", "normal" (seeds' N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
@@ -33,7 +36,7 @@ class ImageClassifier(pl.LightningModule):
                  lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0,
                  scheduler: Literal["constant", "cosine", "onecycle"] = "constant", warmup_epochs: float = 0.0,
                  label_smoothing: float = 0.0, init: Literal["kaiming", "normal", "default"] = "kaiming",
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, base_batch_size: int | None = None) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"model.lr must be > 0, got {lr}")
@@ -41,6 +44,8 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if weight_decay < 0 or momentum < 0 or warmup_epochs < 0:
             raise ValueError("model.weight_decay, model.momentum and model.warmup_epochs must be >= 0")
+        if base_batch_size is not None and base_batch_size <= 0:
+            raise ValueError(f"model.base_batch_size must be a positive integer, got {base_batch_size}")
         self.save_hyperparameters()
         self.net = self.build_net(num_classes)
         init_weights(self.net, init)
@@ -96,33 +101,49 @@ class ImageClassifier(pl.LightningModule):
         """Returns predicted class ids (N,) int64."""
         return self(batch[0]).argmax(dim=1)
 
+    def scaled_lr(self) -> float:
+        """The lr the optimizer starts from: `lr`, times global_batch / base_batch_size when that is set."""
+        hp = self.hparams
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if hp.base_batch_size is None or dm is None or not hasattr(dm, "batch_size"):
+            return hp.lr
+        return hp.lr * dm.batch_size * self.trainer.accumulate_grad_batches / hp.base_batch_size
+
+    def setup(self, stage: str) -> None:
+        if self.hparams.base_batch_size is not None:
+            # Lightning logs the hparams as saved in __init__ (hparams_initial): add the scaled lr to both
+            self.hparams["lr_scaled"] = self._hparams_initial["lr_scaled"] = self.scaled_lr()
+
     def configure_optimizers(self):
         hp = self.hparams
+        lr = self.scaled_lr()
         decay, no_decay = [], []
         for name, p in self.net.named_parameters():
             (no_decay if p.ndim <= 1 else decay).append(p)  # biases and BN affine: no weight decay
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if hp.optimizer == "sgd":
-            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov and hp.momentum > 0)
+            opt = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=hp.nesterov and hp.momentum > 0)
         elif hp.optimizer == "adam":
-            opt = torch.optim.Adam(groups, lr=hp.lr)
+            opt = torch.optim.Adam(groups, lr=lr)
         else:
-            opt = torch.optim.AdamW(groups, lr=hp.lr)
-        if hp.scheduler == "constant":
+            opt = torch.optim.AdamW(groups, lr=lr)
+        if hp.scheduler == "constant" and hp.warmup_epochs == 0:
             return opt
         total = max(1, int(self.trainer.estimated_stepping_batches))
         if hp.scheduler == "onecycle":
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp.lr, total_steps=total)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total)
         else:
             warmup = int(hp.warmup_epochs * total / max(1, self.trainer.max_epochs or 1))
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(warmup, total))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_then(warmup, total, cosine=hp.scheduler == "cosine"))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _warmup_cosine(warmup: int, total: int):
+def _warmup_then(warmup: int, total: int, cosine: bool):
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if not cosine:
+            return 1.0
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return factor
