@@ -1,0 +1,90 @@
+"""Real launchers on loopback: two torchrun "nodes" train together, and TensorBoard serves the run they wrote."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tiny_data_dir, tmp_path_factory):
+    """`torchrun --nnodes 2 --nproc-per-node 1` twice on 127.0.0.1, as one would on two machines; returns
+    (outputs of node 0 and node 1, log folder)."""
+    logs = tmp_path_factory.mktemp("two_nodes")
+    port = _free_port()
+    cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/ddp_cpu.yaml",
+           "--trainer.num_nodes", "2", "--trainer.devices", "1", "--data.data_dir", str(tiny_data_dir),
+           "--data.val_size", "100", "--data.batch_size", "64", "--data.download", "false",
+           "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
+           "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(logs)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), *cli],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the two torchrun nodes did not finish within 240 s")
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    return outputs, logs
+
+
+def test_torchrun_two_nodes_train_as_one_world(two_node_run):
+    (node0, node1), logs = two_node_run
+    assert "Starting with 2 processes" in node0 and "distributed_backend=gloo" in node0
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in node1
+    assert "epoch 1: val acc" in node0 and "test acc" in node0
+    assert "epoch 1: val acc" not in node1  # the per-epoch line is printed by global rank 0 only
+    run = logs / "lenet" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+
+
+def test_tensorboard_server_serves_val_acc_per_epoch(two_node_run):
+    _, logs = two_node_run
+    run = logs / "lenet" / "version_0"
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1",
+                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/data/plugin/scalars"
+    try:
+        tags, deadline = None, time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                tags = json.load(urllib.request.urlopen(f"{base}/tags", timeout=5))
+                if tags.get(".", {}).get("val/acc"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert tags and "val/acc" in tags.get(".", {}), f"TensorBoard did not serve val/acc: {tags}"
+        assert {"train/loss_epoch", "time/epoch_s", "throughput/images_per_s", "test/acc"} <= set(tags["."])
+        points = json.load(urllib.request.urlopen(f"{base}/scalars?run=.&tag=val/acc", timeout=5))
+        assert len(points) == 2  # [wall_time, step, value] once per epoch
+        assert all(0.0 <= value <= 1.0 for _, _, value in points)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
