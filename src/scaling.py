@@ -1,0 +1,190 @@
+"""Scaling report: one experiment config under several strategies and device counts, side by side.
+
+    python -m src.scaling --config configs/lenet.yaml
+    python -m src.scaling --config configs/resnet18.yaml --accelerator gpu --devices "[1, 2, 4]" --max_epochs 3
+
+Each run is a real `python -m src.cli fit` with the strategy's overlay from configs/strategy/, logged to
+TensorBoard as `<model>-<strategy>-<devices>` in one report folder, so `tensorboard --logdir <folder>` overlays
+their curves. The folder then gets scaling.md, scaling.csv and scaling.png (images/s against devices).
+"""
+
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+Strategy = Literal["single", "split_allreduce", "ddp"]
+
+
+@dataclass
+class Row:
+    """One run of the matrix; seconds and images/s are medians over epochs (the first excluded if there are more)."""
+
+    strategy: str
+    devices: int
+    global_batch: int
+    sec_per_epoch: float
+    images_per_s: float
+    speedup_vs_single: float
+    efficiency: float
+    final_val_acc: float
+
+
+def _overlay_args(strategy: str, devices: int, accelerator: str) -> list[str]:
+    if strategy == "single":
+        return ["--config", "configs/strategy/single.yaml", "--trainer.accelerator", accelerator]
+    if strategy == "ddp":
+        return ["--config", f"configs/strategy/ddp_{accelerator}.yaml", "--trainer.devices", str(devices)]
+    names = ["cpu"] * devices if accelerator == "cpu" else [f"cuda:{i}" for i in range(devices)]
+    return ["--config", "configs/strategy/split_allreduce.yaml", "--trainer.accelerator", accelerator,
+            "--trainer.strategy.init_args.devices", "[" + ", ".join(names) + "]"]
+
+
+def _median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def _read_run(run_dir: Path) -> tuple[float, float, float, int]:
+    """(sec/epoch, images/s, last val/acc, global batch) from a run folder's event files and config.yaml."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir))
+    ea.Reload()
+
+    def values(tag: str) -> list[float]:
+        return [s.value for s in ea.Scalars(tag)] if tag in ea.Tags()["scalars"] else [float("nan")]
+
+    batch = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["batch_size"]
+    return (_median_after_first(values("time/epoch_s")), _median_after_first(values("throughput/images_per_s")),
+            values("val/acc")[-1], batch)
+
+
+def _next_version(root: Path) -> Path:
+    n = 0
+    while (root / f"version_{n}").exists():
+        n += 1
+    return root / f"version_{n}"
+
+
+def write_report(rows: list[Row], out: Path, title: str) -> None:
+    """Write scaling.md, scaling.csv and scaling.png into `out` (each through a temporary name)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    header = ["strategy", "devices", "global batch", "sec/epoch", "images/s", "speedup vs single", "efficiency",
+              "final val acc"]
+    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append(f"| {r.strategy} | {r.devices} | {r.global_batch} | {r.sec_per_epoch:.2f} | {r.images_per_s:,.0f} | "
+                     f"{r.speedup_vs_single:.2f} | {r.efficiency:.2f} | {r.final_val_acc:.4f} |")
+    tmp = out / ".scaling.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out / "scaling.md")
+    tmp = out / ".scaling.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    os.replace(tmp, out / "scaling.csv")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    single = [r for r in rows if r.strategy == "single"]
+    for name in dict.fromkeys(r.strategy for r in rows):
+        pts = sorted(((r.devices, r.images_per_s) for r in rows if r.strategy == name or
+                      (name != "single" and r in single)))
+        ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=name)
+    if single:
+        counts = sorted({r.devices for r in rows})
+        ax.plot(counts, [single[0].images_per_s * d for d in counts], ls="--", color="gray", label="ideal (linear)")
+    ax.set_ylim(bottom=0)  # a zero-based axis keeps small differences from looking large
+    ax.set_xlabel("devices (replicas or processes)")
+    ax.set_ylabel("training throughput (images/s)")
+    ax.set_title(title, fontsize=9)
+    ax.set_xticks(sorted({r.devices for r in rows}))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / ".scaling.tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(out / ".scaling.tmp.png", out / "scaling.png")
+
+
+def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allreduce", "ddp"],  # noqa: B006
+                devices: list[int] = [1, 2], accelerator: Literal["cpu", "gpu"] = "cpu",  # noqa: B006
+                max_epochs: int = 2, max_steps: int = -1, out: str = "logs/scaling",
+                extra: list[str] = []) -> Path:  # noqa: B006
+    """Train `config` under every strategy and device count and write the report.
+
+    Args:
+        config: Experiment config, e.g. configs/lenet.yaml.
+        strategies: Which of single, split_allreduce (ours) and ddp to run. single runs on 1 device only,
+            the others on every count in `devices` above 1.
+        devices: Device counts: CPU replicas or processes on cpu, GPUs on gpu.
+        accelerator: cpu (DDP over gloo) or gpu (DDP over NCCL, our replicas on cuda:0..K-1).
+        max_epochs: Epochs per run (sec/epoch and images/s are medians over epochs after the first).
+        max_steps: If > 0, stop each run after this many optimizer steps instead.
+        out: Parent folder; the report goes to <out>/<model>/version_N/.
+        extra: More CLI arguments for every run, e.g. ["--data.batch_size", "512"].
+
+    Returns:
+        The report folder.
+
+    Raises:
+        SystemExit: If a run fails (its last output lines are printed); no report files are written then.
+    """
+    model = Path(config).stem
+    report = _next_version(Path(out) / model)
+    report.mkdir(parents=True)
+    matrix = [(s, 1) for s in strategies if s == "single"] + [
+        (s, d) for s in strategies if s != "single" for d in devices if d > 1]
+    results: dict[tuple[str, int], tuple] = {}
+    for i, (strategy, n) in enumerate(matrix, start=1):
+        name = f"{model}-{strategy}-{n}"
+        cmd = [sys.executable, "-m", "src.cli", "fit", "--config", config, *_overlay_args(strategy, n, accelerator),
+               "--trainer.max_epochs", str(max_epochs), "--trainer.max_steps", str(max_steps),
+               "--trainer.logger.init_args.save_dir", str(report), "--trainer.logger.init_args.name", name,
+               "--trainer.logger.init_args.version", "0", "--trainer.enable_progress_bar", "false",
+               "--test_after_fit", "false", *extra]
+        print(f"[{i}/{len(matrix)}] {name}: training ...", flush=True)
+        tic = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise SystemExit(f"run {name} failed (exit {proc.returncode}); its last lines:\n{tail}\n"
+                             f"command: {' '.join(cmd)}")
+        results[(strategy, n)] = _read_run(report / name / "version_0")
+        sec, ips, acc, _ = results[(strategy, n)]
+        print(f"[{i}/{len(matrix)}] {name}: {sec:.2f} sec/epoch, {ips:,.0f} images/s, val acc {acc:.4f} "
+              f"({time.perf_counter() - tic:.0f} s with start-up)", flush=True)
+    base = results.get(("single", 1))
+    rows = []
+    for (strategy, n), (sec, ips, acc, batch) in results.items():
+        speedup = base[0] / sec if base else float("nan")
+        rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / n, acc))
+    title = f"{model}: {', '.join(strategies)} on {accelerator}, {max_epochs} epoch(s) each"
+    write_report(rows, report, title)
+    print(f"report: {report}/scaling.md, scaling.csv, scaling.png; curves: tensorboard --logdir {report}")
+    return report
+
+
+def main(args: list[str] | None = None) -> Path:
+    """Parse `args` (default: sys.argv[1:]) into `run_scaling`'s arguments and run it."""
+    from jsonargparse import ArgumentParser
+
+    # not jsonargparse.CLI: it reserves --config for its own config files, and here --config is the experiment
+    parser = ArgumentParser(prog="python -m src.scaling", description=__doc__.split("\n\n")[0])
+    parser.add_function_arguments(run_scaling, as_positional=False)
+    return run_scaling(**parser.parse_args(args).as_dict())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The scaling report runs single, ours (K = 2) and DDP (2 gloo processes) through the real CLI and writes its files."""
+
+import csv
+import json
+
+from src.scaling import main as scaling_main
+
+
+def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
+    extra = ["--data.data_dir", str(tiny_data_dir), "--data.val_size", "100", "--data.batch_size", "64",
+             "--data.download", "false", "--trainer.limit_val_batches", "2"]
+    report = scaling_main(["--config", "configs/lenet.yaml", "--max_epochs", "2", "--out", str(tmp_path),
+                           "--extra", json.dumps(extra)])
+    assert report == tmp_path / "lenet" / "version_0"
+    rows = list(csv.DictReader(open(report / "scaling.csv")))
+    assert [(r["strategy"], r["devices"]) for r in rows] == [("single", "1"), ("split_allreduce", "2"), ("ddp", "2")]
+    for r in rows:
+        assert float(r["images_per_s"]) > 0 and float(r["sec_per_epoch"]) > 0 and r["global_batch"] == "64"
+        assert 0.0 <= float(r["final_val_acc"]) <= 1.0
+    assert float(rows[0]["speedup_vs_single"]) == 1.0
+    table = (report / "scaling.md").read_text()
+    assert "| ddp | 2 | 64 |" in table and "speedup vs single" in table
+    assert (report / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("lenet-single-1", "lenet-split_allreduce-2", "lenet-ddp-2"):  # one TensorBoard run each
+        assert list((report / name / "version_0").glob("events.out.tfevents.*"))
+    out = capsys.readouterr().out
+    assert "[3/3] lenet-ddp-2: training ..." in out and "report:" in out
