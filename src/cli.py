@@ -1,4 +1,12 @@
-"""Command line: `python -m src.cli {fit,validate,test,predict} --config configs/lenet.yaml [...]`."""
+"""Command line: `python -m src.cli {fit,validate,test,predict} --config configs/lenet.yaml [...]`.
+
+A bad input ends with one line on stderr saying what is wrong and exit status 2; `--debug` (or
+FMNIST_DEBUG=1) shows the full traceback instead.
+"""
+
+import os
+import sys
+from pathlib import Path
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -6,7 +14,8 @@ from lightning.pytorch.utilities import rank_zero_info
 import src.strategies  # noqa: F401  registers our strategies before any Trainer is built
 from src.callbacks import EpochReport
 from src.data.fashion_mnist import FashionMNISTDataModule
-from src.launch_checks import check_before_run
+from src.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
+from src.launch_checks import check_before_run, check_checkpoint, resolve_last_checkpoint
 from src.models.classifier import ImageClassifier
 
 
@@ -18,8 +27,19 @@ class CLI(LightningCLI):
         parser.add_argument("--test_after_fit", type=bool, default=False,
                             help="After fit, run the test set on the best checkpoint and log test/acc.")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI would take the model's class and hyperparameters from a --ckpt_path checkpoint, so a
+        # checkpoint of another network silently replaces the configured one. Here the config decides, and
+        # check_checkpoint says when a checkpoint does not fit it.
+        return
+
     def _check(self) -> None:
         check_before_run(self.trainer, self.datamodule)
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path"):
+            root = getattr(self.trainer.logger, "root_dir", None)
+            config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], Path(root) if root else None)
+            check_checkpoint(config["ckpt_path"], self.model)
 
     before_fit = before_validate = before_test = before_predict = _check
 
@@ -39,8 +59,38 @@ class CLI(LightningCLI):
 def main(args: ArgsType = None) -> CLI:
     """Build and run the CLI; `args` (a list of strings) replaces sys.argv[1:] for tests."""
     return CLI(ImageClassifier, FashionMNISTDataModule, subclass_mode_model=True,
-               seed_everything_default=42, args=args)
+               seed_everything_default=42, args=args, parser_class=RaisingArgumentParser)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m src.cli`: run `main`, turning any error into one line and exit status 2.
+
+    Args:
+        argv: Arguments (default sys.argv[1:]); `--debug` anywhere re-raises errors with their traceback.
+
+    Returns:
+        0 on success, 2 after an error (printed to stderr).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"  # DDP re-runs this command line in its other processes
+    argv = [a for a in argv if a != "--debug"]
+    # through sys.argv, not args=: DDP's launcher re-runs sys.argv in its other processes, and LightningCLI
+    # warns when both are given
+    saved, sys.argv = sys.argv, sys.argv[:1] + argv
+    try:
+        check_config_files(argv)
+        main()
+    except Exception as err:  # every failure, ours or a library's, ends in the same one-line report
+        if debug:
+            raise
+        print(f"error: {describe(err)}\n(add --debug or set {DEBUG_ENV}=1 for the full traceback)", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv = saved
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -2,8 +2,10 @@
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 
@@ -40,8 +42,76 @@ def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[
         "on every node; for one machine use trainer.num_nodes: 1")
 
 
+def check_epochs(max_epochs: int | None) -> None:
+    """Raises ValueError for a negative epoch count (Lightning would read -1 as "no limit")."""
+    if max_epochs is not None and max_epochs < 0:
+        raise ValueError(f"trainer.max_epochs={max_epochs} must be >= 0; to train by steps set trainer.max_steps")
+
+
+def check_replicas(batch_size: int, eval_batch_size: int, strategy: object) -> None:
+    """Raises ValueError when a global batch has fewer samples than our strategy has replicas."""
+    k = getattr(strategy, "num_replicas", 1)
+    for key, value in (("data.batch_size", batch_size), ("data.eval_batch_size", eval_batch_size)):
+        if value < k:
+            raise ValueError(f"{key}={value} is smaller than the {k} replicas of {type(strategy).__name__}: "
+                             f"every replica needs a sample; use {key} >= {k}")
+
+
 def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
     """Every check above, on the objects the CLI built."""
+    check_epochs(trainer.max_epochs)
     check_cluster(trainer.num_nodes, getattr(trainer.strategy, "cluster_environment", None))
     if hasattr(datamodule, "batch_size") and hasattr(datamodule, "eval_batch_size"):
         check_global_batch(datamodule.batch_size, datamodule.eval_batch_size, trainer.world_size)
+        check_replicas(datamodule.batch_size, datamodule.eval_batch_size, trainer.strategy)
+
+
+def resolve_last_checkpoint(ckpt_path: str | None, experiment_dir: Path | None) -> str | None:
+    """Turn `--ckpt_path last` into the newest `version_*/checkpoints/last.ckpt` of this experiment.
+
+    Lightning's own "last" looks only in the new run's (empty) checkpoint folder, so a resume would silently
+    start from scratch.
+
+    Raises:
+        FileNotFoundError: "last" with no last.ckpt under the experiment folder.
+    """
+    if ckpt_path != "last" or experiment_dir is None:
+        return ckpt_path
+    found = sorted(Path(experiment_dir).glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {experiment_dir}/version_*/checkpoints/; "
+                                "nothing to resume (drop --ckpt_path to start a new run, or give the path)")
+    return str(found[-1])
+
+
+def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
+    """A checkpoint given with --ckpt_path must exist, load, and fit the configured model.
+
+    Raises:
+        FileNotFoundError: No such file.
+        ValueError: Unreadable (truncated or not a checkpoint), or saved from a different network: the
+            message names the first parameter whose shape differs, or the missing and unexpected ones.
+    """
+    if ckpt_path in (None, "best", "last", "hpc", "registry"):
+        return
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    except Exception as err:  # truncated zip, pickle garbage, a file that is not a checkpoint
+        raise ValueError(f"--ckpt_path {ckpt_path} cannot be read as a Lightning checkpoint ({type(err).__name__}: "
+                         f"{err}); it may be truncated or not a checkpoint") from err
+    mine = model.state_dict()
+    for name, t in mine.items():
+        if name in state and tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"--ckpt_path {ckpt_path} does not fit {type(model).__name__}: '{name}' has shape "
+                             f"{tuple(state[name].shape)} in the checkpoint but {tuple(t.shape)} in the model; it "
+                             "was saved from another network (use the config.yaml of the run that saved it)")
+    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    if missing or unexpected:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path} does not fit {type(model).__name__}: {len(missing)} of the model's tensors "
+            f"are not in it (e.g. {', '.join(missing[:2]) or '-'}) and {len(unexpected)} of its tensors are not in "
+            f"the model (e.g. {', '.join(unexpected[:2]) or '-'}); it was saved from another network (use the "
+            "config.yaml of the run that saved it)")

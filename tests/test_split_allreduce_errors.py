@@ -101,6 +101,8 @@ def test_cli_short_name_and_algorithm_switch(fast_args):
     cli = main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--trainer.strategy", "split_allreduce",
                 "--trainer.devices", "2", "--test_after_fit", "false"])
     assert cli.trainer.strategy.num_replicas == 2
-    with pytest.raises(SystemExit):
+    from src.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tree"):
         main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml", *fast_args,
               "--trainer.strategy.init_args.allreduce", "tree"])

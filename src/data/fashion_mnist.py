@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torchvision.datasets import FashionMNIST
 
+from src.data.integrity import check_idx_file, check_writable
 from src.data.loader import GlobalBatchSampler, TensorBatchLoader
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -54,10 +55,15 @@ def ensure_raw_files(data_dir: str | Path, debian_dir: str | Path = DEBIAN_DIR, 
 
     Raises:
         DataUnavailableError: None of the three sources worked; the message names all three.
+        CorruptDataError: A file already there is truncated or not an IDX file (delete it and run again).
+        PermissionError: The files are missing and `data_dir` cannot be written.
     """
     raw = Path(data_dir) / "FashionMNIST" / "raw"
     if all((raw / name).is_file() for name in RAW_FILES):
+        for name in RAW_FILES:
+            check_idx_file(raw / name)
         return "present"
+    check_writable(raw)
     if _unpack_debian(raw, Path(debian_dir)):
         return "debian"
     if download:
@@ -121,7 +127,7 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
 
     def prepare_data(self) -> None:
-        ensure_raw_files(self.data_dir, download=self.download)
+        ensure_raw_files(self.data_dir, debian_dir=DEBIAN_DIR, download=self.download)
 
     def setup(self, stage: str) -> None:
         if self.splits:
