@@ -3,6 +3,7 @@
 import time
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 
@@ -60,3 +61,24 @@ class EpochReport(pl.Callback):
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         rank_zero_info(f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
                        f"{throughput:,.0f} images/s on [{devices}]")
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """Keeps `last.ckpt` at the newest state: every `every_n_train_steps` optimizer steps (so a killed run
+    loses at most that many) and at the end of every epoch.
+
+    Lightning's `save_last` rewrites last.ckpt only when its callback saves a top-k checkpoint, so after an
+    epoch that did not improve the monitored metric, last.ckpt would still hold an older state.
+
+    Args:
+        every_n_train_steps: Optimizer steps between mid-epoch saves (0: epoch ends only).
+        dirpath: Folder (default: the run's checkpoints/ folder).
+    """
+
+    def __init__(self, every_n_train_steps: int = 50, dirpath: str | None = None) -> None:
+        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_train_steps)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

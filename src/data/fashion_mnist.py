@@ -125,6 +125,8 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         self.val_size, self.split_seed, self.shuffle_seed = val_size, split_seed, shuffle_seed
         self.augment, self.download = augment, download
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
+        self._train_loader: TensorBatchLoader | None = None
+        self._resume_state: dict | None = None
 
     def prepare_data(self) -> None:
         ensure_raw_files(self.data_dir, debian_dir=DEBIAN_DIR, download=self.download)
@@ -158,7 +160,25 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         return TensorBatchLoader(images, labels, sampler)
 
     def train_dataloader(self) -> TensorBatchLoader:
-        return self._loader("train", self.batch_size, train=True)
+        loader = self._loader("train", self.batch_size, train=True)
+        if self._resume_state is not None:
+            loader.load_state_dict(self._resume_state)
+            self._resume_state = None
+        self._train_loader = loader
+        return loader
+
+    def state_dict(self) -> dict:
+        """Where the training loader is: epoch and batches of it already handed out (saved in checkpoints).
+
+        Kept here as well as by Lightning's loop because Lightning skips restoring loader states when the
+        train loader was built before the restore, which `trainer.estimated_stepping_batches` (used by the
+        lr schedules) does: a resumed run would restart its epoch from the first batch.
+        """
+        return {"train_loader": self._train_loader.state_dict()} if self._train_loader is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Apply a checkpoint's loader position to the next train loader built (restored before any is built)."""
+        self._resume_state = state.get("train_loader")
 
     def val_dataloader(self) -> TensorBatchLoader:
         return self._loader("val", self.eval_batch_size, train=False)

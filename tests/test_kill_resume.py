@@ -1,0 +1,47 @@
+"""A run SIGKILLed mid-epoch resumes from last.ckpt and ends exactly where an uninterrupted run ends."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAYS = {"single": [], "split_allreduce": ["--config", "configs/strategy/split_allreduce.yaml"]}
+
+
+def _args(data_dir, logs):
+    # 500 training images in global batches of 16: 32 steps per epoch; LastCheckpoint saves every 50 steps,
+    # so the kill at step 60 lands 10 steps after a mid-epoch save (epoch 1, batch 18)
+    return ["fit", "--config", "configs/lenet.yaml", "--data.data_dir", str(data_dir), "--data.val_size", "100",
+            "--data.batch_size", "16", "--data.download", "false", "--trainer.max_epochs", "3",
+            "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+            "--trainer.logger.init_args.save_dir", str(logs)]
+
+
+@pytest.mark.parametrize("strategy", list(OVERLAYS))
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tiny_data_dir, tmp_path, strategy):
+    args = _args(tiny_data_dir, tmp_path / "killed") + OVERLAYS[strategy]
+    killer = json.dumps({"class_path": "tests.killers.KillAtStep", "init_args": {"step": 60}})
+    proc = subprocess.run([sys.executable, "-m", "src.cli", *args, "--trainer.callbacks+", killer], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
+    saved = torch.load(tmp_path / "killed" / "lenet" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 50 and saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0] == {
+        "epoch": 1, "batches_yielded": 18}  # a mid-epoch checkpoint: steps 51-60 are lost and will be replayed
+
+    resumed = main(args + ["--ckpt_path", "last"])
+    whole = main(_args(tiny_data_dir, tmp_path / "whole") + OVERLAYS[strategy])
+    assert resumed.trainer.global_step == whole.trainer.global_step == 96
+    for (name, a), b in zip(resumed.model.state_dict().items(), whole.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    skip = ("time/", "throughput/")
+    metrics = {k: v for k, v in whole.trainer.callback_metrics.items() if not k.startswith(skip)}
+    assert {"val/acc", "val/loss", "train/acc", "train/loss_epoch"} <= set(metrics)
+    for key, value in metrics.items():
+        assert torch.equal(resumed.trainer.callback_metrics[key], value), key
