@@ -75,9 +75,35 @@ def condense(message: str) -> str:
     return ": ".join(dict.fromkeys(lines)) or message.strip()
 
 
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Socket Timeout|timed out|Timeout|"
+                        r"communicator was aborted|DistNetworkError", re.IGNORECASE)
+
+
+def describe_lost_rank(text: str) -> str | None:
+    """If `text` is a collective failing because another process vanished, say which rank was lost.
+
+    Reads this process's rank and the world size from the (still initialised) default process group; with
+    two processes the lost rank is the other one, with more it is one of the others.
+    """
+    import torch.distributed as dist
+
+    if not _PEER_LOST.search(text) or not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    others = [r for r in range(world) if r != rank]
+    lost = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])[:160]  # drop gloo's source-file prefix
+    return (f"DDP lost {lost}: it died or stopped answering during a collective, so this process (rank {rank} of "
+            f"{world}) stops too. Look at {lost}'s log for why, then restart the whole job with --ckpt_path last. "
+            f"[{detail}]")
+
+
 def describe(err: BaseException) -> str:
     """The message to print for `err`: condensed for config errors, the exception's own text otherwise."""
     text = str(err).strip() or type(err).__name__
+    lost = describe_lost_rank(text)
+    if lost:
+        return lost
     if isinstance(err, ConfigError) or "Union subtypes" in text or text.startswith("Parser key"):
         text = condense(text)
         suggestions = getattr(err, "suggestions", None)

@@ -11,11 +11,30 @@ class KillAtStep(pl.Callback):
 
     Args:
         step: Global step after which to die.
+        rank: Only the process of this global rank dies (None: any process running the callback).
     """
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HangAtStep(pl.Callback):
+    """Stops answering (sleeps for an hour) after optimizer step `step` on global rank `rank`.
+
+    Args:
+        step: Global step after which to hang.
+        rank: Global rank that hangs.
+    """
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            import time
+
+            time.sleep(3600)
