@@ -73,8 +73,9 @@ def run(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    saved_env = os.environ.get(DEBUG_ENV)
     if "--debug" in argv:
-        os.environ[DEBUG_ENV] = "1"  # DDP re-runs this command line in its other processes
+        os.environ[DEBUG_ENV] = "1"  # DDP re-runs this command line, without --debug, in its other processes
     argv = [a for a in argv if a != "--debug"]
     # through sys.argv, not args=: DDP's launcher re-runs sys.argv in its other processes, and LightningCLI
     # warns when both are given
@@ -89,6 +90,10 @@ def run(argv: list[str] | None = None) -> int:
         return 2
     finally:
         sys.argv = saved
+        if saved_env is None:
+            os.environ.pop(DEBUG_ENV, None)
+        else:
+            os.environ[DEBUG_ENV] = saved_env
     return 0
 
 

@@ -6,6 +6,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.models import LeNet, ResNet18, init_weights
@@ -30,13 +31,17 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: Cross-entropy label smoothing in [0, 1).
         init: Weight initialisation: "kaiming", "normal" (seeds' N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
+        nonfinite_loss: What a NaN or infinite training loss does: "stop" (raise, naming the step and batch),
+            "skip" (skip that optimizer step and count it in `train/skipped_steps`; single device and
+            split_allreduce only, as DDP's ranks would have to agree) or "ignore" (no check, no per-step sync).
     """
 
     def __init__(self, num_classes: int = 10, optimizer: Literal["sgd", "adam", "adamw"] = "sgd",
                  lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0,
                  scheduler: Literal["constant", "cosine", "onecycle"] = "constant", warmup_epochs: float = 0.0,
                  label_smoothing: float = 0.0, init: Literal["kaiming", "normal", "default"] = "kaiming",
-                 channels_last: bool = False, base_batch_size: int | None = None) -> None:
+                 channels_last: bool = False, base_batch_size: int | None = None,
+                 nonfinite_loss: Literal["stop", "skip", "ignore"] = "stop") -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"model.lr must be > 0, got {lr}")
@@ -47,6 +52,7 @@ class ImageClassifier(pl.LightningModule):
         if base_batch_size is not None and base_batch_size <= 0:
             raise ValueError(f"model.base_batch_size must be a positive integer, got {base_batch_size}")
         self.save_hyperparameters()
+        self.skipped_steps = 0
         self.net = self.build_net(num_classes)
         init_weights(self.net, init)
         if channels_last:
@@ -71,10 +77,26 @@ class ImageClassifier(pl.LightningModule):
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        """Cross-entropy of (x (B, 1, 28, 28) float32, y (B,) int64); None for a skipped non-finite step.
+
+        Raises:
+            FloatingPointError: A NaN or infinite loss with `nonfinite_loss: stop`, naming step and batch.
+        """
         x, y = batch
         logits = self(x)
         loss = self.loss_fn(logits, y)
+        if self.hparams.nonfinite_loss != "ignore" and not torch.isfinite(loss):
+            where = f"at global step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+            if self.hparams.nonfinite_loss == "stop":
+                raise FloatingPointError(
+                    f"non-finite training loss ({loss.item()}) {where}: lower model.lr, add warmup or gradient "
+                    "clipping, or set model.nonfinite_loss: skip to skip such steps; resume from the last good "
+                    "checkpoint with --ckpt_path last")
+            self.skipped_steps += 1
+            self.log("train/skipped_steps", float(self.skipped_steps), on_step=False, on_epoch=True, reduce_fx="max")
+            rank_zero_warn(f"skipped a non-finite training loss {where}; {self.skipped_steps} skipped so far")
+            return None
         self.train_acc(logits, y)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y))
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=len(y))
@@ -110,6 +132,9 @@ class ImageClassifier(pl.LightningModule):
         return hp.lr * dm.batch_size * self.trainer.accumulate_grad_batches / hp.base_batch_size
 
     def setup(self, stage: str) -> None:
+        if self.hparams.nonfinite_loss == "skip" and self.trainer.world_size > 1:
+            raise ValueError("model.nonfinite_loss: skip is not supported with several processes (DDP): every rank "
+                             "would have to skip the same step; use stop (the default) or ignore")
         if self.hparams.base_batch_size is not None:
             # Lightning logs the hparams as saved in __init__ (hparams_initial): add the scaled lr to both
             self.hparams["lr_scaled"] = self._hparams_initial["lr_scaled"] = self.scaled_lr()

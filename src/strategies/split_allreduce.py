@@ -318,6 +318,8 @@ class SplitAllreduceStrategy(ParallelStrategy):
         timed = self._measuring() and bool(self._auto_times)  # empty during the warm-up step
         with self.precision_plugin.train_step_context():
             results = self._run_replicas("training_step", batch, rest, kwargs, timed=timed)
+        if any(n and out is None for n, out in results):
+            return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
         total = sum(n for n, _ in results)
         combined, master_out = None, results[0][1]
         for n, out in results:
@@ -326,7 +328,7 @@ class SplitAllreduceStrategy(ParallelStrategy):
             loss = out["loss"] if isinstance(out, dict) else out
             if not isinstance(loss, Tensor):
                 raise RuntimeError("split_allreduce needs training_step to return the loss (a tensor or a dict "
-                                   "with 'loss'); returning None to skip a batch is not supported")
+                                   f"with 'loss'), got {type(loss).__name__}")
             term = loss.to(self.root_device) * (n / total)
             combined = term if combined is None else combined + term
         if isinstance(master_out, dict):

@@ -1,0 +1,52 @@
+"""Non-finite losses stop (naming step and batch) or are skipped; runs repeat bitwise on the CPU."""
+
+import pytest
+import torch
+
+from src.models.classifier import LeNetClassifier
+from src.strategies import SplitAllreduceStrategy
+from tests.strategy_runs import assert_replicas_bitwise_equal, ddp, fit
+
+
+class PoisonedLeNet(LeNetClassifier):
+    """LeNet whose logits turn NaN at global step 3 (on every replica's shard), as a diverging run would."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits * float("nan") if self.trainer.training and self.trainer.global_step == 3 else logits
+
+
+def test_nonfinite_loss_stops_naming_step_and_batch(tiny_data_dir):
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss \(nan\) at global step 3 \(epoch 0, batch 3\)"):
+        fit(tiny_data_dir, model_cls=PoisonedLeNet, steps=6)
+
+
+@pytest.mark.parametrize("strategy", ["single", "split_allreduce"])
+def test_nonfinite_loss_can_be_skipped(tiny_data_dir, strategy):
+    s = "auto" if strategy == "single" else SplitAllreduceStrategy(devices=["cpu", "cpu"], check_sync_every=1)
+    model, trainer, snap = fit(tiny_data_dir, s, model_cls=PoisonedLeNet, model_kwargs={"nonfinite_loss": "skip"},
+                               steps=6, precision="32-true")
+    assert trainer.callback_metrics["train/skipped_steps"].item() == 1.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_replicas_bitwise_equal(snap, 1 if strategy == "single" else 2)
+
+
+def test_skip_is_refused_under_ddp(tiny_data_dir):
+    with pytest.raises(Exception, match="nonfinite_loss: skip is not supported with several processes"):
+        fit(tiny_data_dir, ddp(), devices=2, model_kwargs={"nonfinite_loss": "skip"}, steps=2)
+
+
+@pytest.mark.parametrize("strategy", ["single", "split_allreduce"])
+def test_same_seed_and_config_repeat_bitwise(tiny_data_dir, strategy):
+    def once():
+        s = "auto" if strategy == "single" else SplitAllreduceStrategy(devices=["cpu", "cpu"])
+        # one full epoch (20 batches of 25) so validation runs at its end; no sanity check, whose metrics can
+        # linger in callback_metrics depending on what ran before in the process
+        model, trainer, _ = fit(tiny_data_dir, s, precision="32-true", steps=20, limit_val_batches=2,
+                                num_sanity_val_steps=0, model_kwargs={"scheduler": "cosine", "warmup_epochs": 0.2})
+        return model.state_dict(), dict(trainer.callback_metrics)
+
+    (w1, m1), (w2, m2) = once(), once()
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert set(m1) == set(m2) and {"val/acc", "train/loss_epoch"} <= set(m1)
+    assert all(torch.equal(m1[k], m2[k]) for k in m1), {k: (m1[k], m2[k]) for k in m1 if not torch.equal(m1[k], m2[k])}
