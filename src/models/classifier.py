@@ -97,7 +97,7 @@ class ImageClassifier(pl.LightningModule):
             self.log("train/skipped_steps", float(self.skipped_steps), on_step=False, on_epoch=True, reduce_fx="max")
             rank_zero_warn(f"skipped a non-finite training loss {where}; {self.skipped_steps} skipped so far")
             return None
-        self.train_acc(logits, y)
+        self.train_acc.update(logits, y)  # accumulate only: the epoch value is what gets logged
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y))
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=len(y))
         return loss
@@ -105,7 +105,7 @@ class ImageClassifier(pl.LightningModule):
     def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str, metric: MulticlassAccuracy) -> None:
         x, y = batch
         logits = self(x)
-        metric(logits, y)
+        metric.update(logits, y)
         self.log(f"{stage}/loss", self.loss_fn(logits, y), prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
         self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=len(y))
 
