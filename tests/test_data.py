@@ -119,3 +119,16 @@ def test_augmentation_keeps_shape_and_moves_pixels():
 def test_bad_batch_size_is_rejected():
     with pytest.raises(ValueError, match="batch_size"):
         FashionMNISTDataModule(batch_size=0)
+
+
+@pytest.mark.parametrize("setting", ["auto", True, False])
+def test_data_stays_on_the_cpu_when_training_on_the_cpu(tiny_data_dir, setting):
+    import lightning.pytorch as pl
+
+    dm = FashionMNISTDataModule(str(tiny_data_dir), val_size=100, data_on_device=setting)
+    dm.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    dm.setup("fit")
+    assert dm._data_device() == torch.device("cpu")
+    assert all(x.device.type == "cpu" for x, _ in dm.splits.values())
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.device.type == "cpu" and len(y) == 256

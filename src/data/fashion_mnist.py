@@ -4,6 +4,7 @@ import gzip
 import os
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -107,11 +108,13 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         shuffle_seed: Base seed of the per-epoch training order (epoch e uses shuffle_seed + e).
         augment: Random crop (4-pixel zero padding) and horizontal flip of training batches.
         download: Allow torchvision's download when no local copy is found.
+        data_on_device: Keep the uint8 images (47 MB) on the training device and cut and convert batches
+            there, saving a host-to-device copy per step: "auto" does so on CUDA, true/false force it.
     """
 
     def __init__(self, data_dir: str = "data", batch_size: int = 256, eval_batch_size: int | None = None,
                  val_size: int = 5000, split_seed: int = 42, shuffle_seed: int = 0, augment: bool = False,
-                 download: bool = True) -> None:
+                 download: bool = True, data_on_device: bool | Literal["auto"] = "auto") -> None:
         super().__init__()
         if batch_size <= 0:
             raise ValueError(f"data.batch_size must be a positive integer, got {batch_size}")
@@ -123,7 +126,7 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         self.data_dir, self.batch_size = data_dir, batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.val_size, self.split_seed, self.shuffle_seed = val_size, split_seed, shuffle_seed
-        self.augment, self.download = augment, download
+        self.augment, self.download, self.data_on_device = augment, download, data_on_device
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
         self._train_loader: TensorBatchLoader | None = None
         self._resume_state: dict | None = None
@@ -142,6 +145,16 @@ class FashionMNISTDataModule(pl.LightningDataModule):
             "val": (images[val_idx], labels[val_idx]),
             "test": load_split(self.data_dir, train=False),
         }
+        device = self._data_device()
+        if device.type != "cpu":
+            self.splits = {k: (x.to(device), y.to(device)) for k, (x, y) in self.splits.items()}
+
+    def _data_device(self) -> torch.device:
+        """Where the splits live: the strategy's root device if `data_on_device` says so, else the CPU."""
+        trainer = self.trainer
+        root = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        wanted = self.data_on_device if self.data_on_device != "auto" else root.type == "cuda"
+        return root if wanted else torch.device("cpu")
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -108,6 +108,7 @@ class TensorBatchLoader:
         self._yielded = self.sampler.start_batch
         for idx in self.sampler:
             self._yielded += 1
+            idx = idx.to(self.images.device, non_blocking=True)  # no-op unless the data lives on a GPU
             yield self.images[idx], self.labels[idx]
 
     def state_dict(self) -> dict:
