@@ -88,7 +88,7 @@ def main() -> None:
 
     print("\nbytes sent per device in one step (LeNet gradients, float32)")
     n_bytes = sum(p.numel() for p in LeNetClassifier().parameters()) * 4
-    print(f"| K | algorithm | bytes per device (replica 0 first) | ring's 2(K-1)/K * N |")
+    print("| K | algorithm | bytes per device (replica 0 first) | ring's 2(K-1)/K * N |")
     print("|---|---|---|---|")
     for k in (2, 3, 4):
         for algorithm in ("reduce_broadcast", "ring"):

@@ -1,6 +1,5 @@
 """Each unsupported or impossible setup of the hand-written strategy stops with a message that names it."""
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
