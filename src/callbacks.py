@@ -20,10 +20,12 @@ class EpochReport(pl.Callback):
     `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0 (with the number of
     batches run when an epoch was cut short by max_steps or limit_train_batches).
 
-    Also counts the images of the last test run over all processes (`test_images`).
+    Also counts the images of the last test run over all processes (`test_images`) and keeps the training
+    seconds of every epoch of this run in `epoch_seconds` (list of float).
     """
 
     def __init__(self) -> None:
+        self.epoch_seconds: list[float] = []
         self._start = self._val_start = 0.0
         self._val_seconds = 0.0
         self._images = self._batches = 0
@@ -52,6 +54,7 @@ class EpochReport(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         seconds = max(time.perf_counter() - self._start - self._val_seconds, 1e-9)
         throughput = self._images / seconds
+        self.epoch_seconds.append(seconds)
         pl_module.log("time/epoch_s", seconds, on_epoch=True)
         pl_module.log("throughput/images_per_s", throughput, on_epoch=True)
         val_acc = trainer.callback_metrics.get("val/acc")

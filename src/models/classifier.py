@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.models import LeNet, ResNet18, init_weights
+from src.models.metrics import MeanLoss
 
 
 class ImageClassifier(pl.LightningModule):
@@ -31,6 +32,13 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: Cross-entropy label smoothing in [0, 1).
         init: Weight initialisation: "kaiming", "normal" (seeds' N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
+        compile: Run the network through `torch.compile` (TorchInductor by default): on the 2-core CPU it
+            cuts the LeNet training step to about 0.5-0.7x of eager, after a one-off compile of 20-60 seconds
+            per graph (training, evaluation, and once more for the first batch of another size). Checkpoints
+            are unchanged (the parameters stay under `net.`), so a run may be resumed with it on or off.
+        compile_mode: `torch.compile` mode: "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune".
+        compile_backend: `torch.compile` backend: "inductor" (generates fused kernels), or "aot_eager" (traces
+            forward and backward without generating code: for checking that a model compiles, quickly).
         nonfinite_loss: What a NaN or infinite training loss does: "stop" (raise, naming the step and batch),
             "skip" (skip that optimizer step and count it in `train/skipped_steps`; single device and
             split_allreduce only, as DDP's ranks would have to agree) or "ignore" (no check, no per-step sync).
@@ -41,7 +49,9 @@ class ImageClassifier(pl.LightningModule):
                  scheduler: Literal["constant", "cosine", "onecycle"] = "constant", warmup_epochs: float = 0.0,
                  label_smoothing: float = 0.0, init: Literal["kaiming", "normal", "default"] = "kaiming",
                  channels_last: bool = False, base_batch_size: int | None = None,
-                 nonfinite_loss: Literal["stop", "skip", "ignore"] = "stop") -> None:
+                 nonfinite_loss: Literal["stop", "skip", "ignore"] = "stop", compile: bool = False,
+                 compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default",
+                 compile_backend: Literal["inductor", "aot_eager"] = "inductor") -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"model.lr must be > 0, got {lr}")
@@ -59,6 +69,7 @@ class ImageClassifier(pl.LightningModule):
             self.net = self.net.to(memory_format=torch.channels_last)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.train_loss = MeanLoss()
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
@@ -75,7 +86,25 @@ class ImageClassifier(pl.LightningModule):
         x = x.to(self.dtype)
         if self.hparams.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return self.net(x)
+        return self._network()(x)
+
+    def _network(self) -> nn.Module:
+        """`self.net`, or its compiled wrapper when `compile` is on (built at the first call, per copy)."""
+        if not self.hparams.get("compile", False):
+            return self.net
+        compiled = self.__dict__.get("_compiled_net")
+        if compiled is None:
+            # Held outside the registered submodules: state_dict keeps its keys and .to() moves self.net only.
+            compiled = torch.compile(self.net, mode=self.hparams.compile_mode, backend=self.hparams.compile_backend)
+            self.__dict__["_compiled_net"] = compiled
+        return compiled
+
+    def __getstate__(self) -> dict:
+        # A copy (a replica of the split strategy, a ddp_spawn child) compiles its own network: the wrapper
+        # of this one would run this module's parameters.
+        state = super().__getstate__()
+        state.pop("_compiled_net", None)
+        return state
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         """Cross-entropy of (x (B, 1, 28, 28) float32, y (B,) int64); None for a skipped non-finite step.
@@ -97,10 +126,25 @@ class ImageClassifier(pl.LightningModule):
             self.log("train/skipped_steps", float(self.skipped_steps), on_step=False, on_epoch=True, reduce_fx="max")
             rank_zero_warn(f"skipped a non-finite training loss {where}; {self.skipped_steps} skipped so far")
             return None
-        self.train_acc.update(logits, y)  # accumulate only: the epoch value is what gets logged
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y))
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=len(y))
+        # Accumulate epoch values in metrics and call self.log only on steps that reach the loggers: each
+        # self.log call costs Lightning about 1 ms (3% of a LeNet step on 2 CPU cores).
+        self.train_acc.update(logits, y)
+        self.train_loss.update(loss, len(y))
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        # the logging steps (Lightning's test: optimizer steps so far + 1 divisible by log_every_n_steps) and the
+        # epoch's last batch, so the progress bar and callback_metrics end each epoch on its last loss
+        if (every and (trainer.global_step + 1) % every == 0) or batch_idx + 1 == trainer.num_training_batches:
+            self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=len(y))
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        # compute() merges the processes' states under DDP; the split strategy merges its replicas' each step
+        if self.train_acc.update_count:
+            self.log("train/acc", self.train_acc.compute())
+            self.log("train/loss_epoch", self.train_loss.compute(), prog_bar=True)
+        self.train_acc.reset()
+        self.train_loss.reset()
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str, metric: MulticlassAccuracy) -> None:
         x, y = batch
