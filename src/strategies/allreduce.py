@@ -106,6 +106,9 @@ def allreduce_(buffers: Sequence[Tensor], algorithm: str) -> list[int]:
 def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     """Group parameter indices into buckets of one dtype, each at most `cap_bytes` (or one tensor if larger).
 
+    Buckets are filled in reverse parameter order, as DDP does: backward produces the last layers' gradients
+    first, so the first bucket is the first one whose gradients are all ready (what `overlap` exploits).
+
     Args:
         params: Parameters of replica 0, in a fixed order.
         cap_bytes: Bucket capacity in bytes (DDP's default is 25 MiB).
@@ -115,7 +118,8 @@ def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     """
     buckets: list[list[int]] = []
     open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
-    for i, p in enumerate(params):
+    for i in reversed(range(len(params))):
+        p = params[i]
         idx, size = open_by_dtype.get(p.dtype, ([], 0))
         if idx and size + _nbytes(p) > cap_bytes:
             buckets.append(idx)
@@ -126,8 +130,29 @@ def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str) -> list[int]:
+    """Allreduce (sum) the `.grad` of one bucket across K replicas, in place.
+
+    Args:
+        members: K lists of parameters (entry j of every list the same parameter on another replica), every
+            one with a `.grad` of its own shape.
+        algorithm: "reduce_broadcast" or "ring".
+
+    Returns:
+        Bytes sent by each of the K devices.
+    """
+    flats = [torch.cat([p.grad.reshape(-1) for p in group]) for group in members]
+    sent = allreduce_(flats, algorithm)
+    for group, flat in zip(members, flats):
+        offset = 0
+        for p in group:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+    return sent
+
+
 def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: str,
-                         cap_bytes: int = 25 * 2**20) -> list[int]:
+                         cap_bytes: int = 25 * 2**20, buckets: Sequence[Sequence[int]] | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
 
     A parameter whose gradient is None on every replica is left alone (as on one device); where only some
@@ -137,7 +162,9 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         replica_params: K lists of parameters, entry i of every list being the same parameter on another
             replica.
         algorithm: "reduce_broadcast" or "ring".
-        cap_bytes: Bucket capacity in bytes.
+        cap_bytes: Bucket capacity in bytes (used when `buckets` is None).
+        buckets: Fixed buckets of parameter indices to reduce (default: `bucket_indices` over the parameters
+            that have a gradient somewhere).
 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
@@ -149,15 +176,14 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         for i in live:
             if ps[i].grad is None:
                 ps[i].grad = torch.zeros_like(ps[i])
-    master = [replica_params[0][i] for i in live]
-    for bucket in bucket_indices(master, cap_bytes):
-        members = [[ps[live[j]] for j in bucket] for ps in replica_params]
-        flats = [torch.cat([p.grad.reshape(-1) for p in group]) for group in members]
-        for dev, n in enumerate(allreduce_(flats, algorithm)):
-            sent[dev] += n
-        for group, flat in zip(members, flats):
-            offset = 0
-            for p in group:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+    if buckets is None:
+        master = [replica_params[0][i] for i in live]
+        buckets = [[live[j] for j in bucket] for bucket in bucket_indices(master, cap_bytes)]
+    else:
+        alive = set(live)
+        buckets = [[i for i in bucket if i in alive] for bucket in buckets]
+    for bucket in buckets:
+        if bucket:
+            for dev, n in enumerate(allreduce_bucket_([[ps[i] for i in bucket] for ps in replica_params], algorithm)):
+                sent[dev] += n
     return sent

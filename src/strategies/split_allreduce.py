@@ -17,7 +17,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from src.data.loader import shard_sizes
-from src.strategies.allreduce import ALGORITHMS, allreduce_gradients_
+from src.strategies.allreduce import ALGORITHMS, allreduce_bucket_, allreduce_gradients_, bucket_indices
+from src.strategies.overlap import BucketReadiness
 from src.strategies.replicas import (ReplicaDesyncError, clone_optimizer, clone_replica, copy_hyperparameters_,
                                      first_difference, merge_metrics_, metric_pairs, named_tensor, sync_buffers_)
 
@@ -92,7 +93,11 @@ class SplitAllreduceStrategy(ParallelStrategy):
         sync_buffers: After each optimizer step, make BatchNorm running statistics equal by "broadcast"
             from replica 0 (DDP's default) or by "mean" over replicas.
         bucket_cap_mb: Gradient bucket size in MiB: gradients are flattened into buckets of at most this
-            size and each bucket is allreduced as one buffer.
+            size (filled from the last layer backwards, as DDP does) and each bucket is allreduced as one buffer.
+        overlap: Allreduce each bucket during backward, as soon as every replica's gradients of it are ready
+            (gradient hooks; seed 004's overlap of communication with computation), instead of after the
+            whole backward. Same buckets, same sums, bitwise the same result. Steps that log
+            `log_grad_norms` exchange after backward, since the norms are of the gradients before the allreduce.
         auto_split_steps: Steps timed by `split_weights: auto` (the first one is a warm-up and not counted).
         check_sync_every: Every this many optimizer steps, check that all replicas are bitwise equal to
             replica 0 and raise `ReplicaDesyncError` naming the first parameter that differs (0: never).
@@ -111,7 +116,8 @@ class SplitAllreduceStrategy(ParallelStrategy):
     def __init__(self, devices: list[str] | None = None, allreduce: Literal["ring", "reduce_broadcast"] = "ring",
                  split_weights: list[float] | Literal["auto"] | None = None,
                  sync_buffers: Literal["broadcast", "mean"] = "broadcast", bucket_cap_mb: float = 25.0,
-                 auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False) -> None:
+                 auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False,
+                 overlap: bool = False) -> None:
         super().__init__(parallel_devices=parse_devices(devices) if devices is not None else None)
         if allreduce not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {allreduce!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -131,6 +137,11 @@ class SplitAllreduceStrategy(ParallelStrategy):
         self.split_weights = split_weights
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.auto_split_steps, self.check_sync_every, self.log_grad_norms = auto_split_steps, check_sync_every, log_grad_norms
+        self.overlap = overlap
+        self._readiness: BucketReadiness | None = None
+        self._buckets: list[list[int]] = []
+        self._replica_params: list[list[torch.nn.Parameter]] = []
+        self._sent_in_backward: list[int] = []
         self._num_nodes = 1
         self.replicas: list[pl.LightningModule] = []
         self._replica_optimizers: list[torch.optim.Optimizer] = []
@@ -245,6 +256,10 @@ class SplitAllreduceStrategy(ParallelStrategy):
                 raise RuntimeError(f"split_allreduce supports one optimizer, got {len(self.optimizers)}")
             self._replica_optimizers = [clone_optimizer(self.optimizers[0], self.lightning_module, r)
                                         for r in self.replicas[1:]]
+            self._replica_params = [list(r.parameters()) for r in self.replicas]
+            self._buckets = bucket_indices(self._replica_params[0], self.bucket_cap_bytes)
+            if self.overlap:
+                self._readiness = BucketReadiness(self._replica_params, self._buckets, self._reduce_bucket_in_backward)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
@@ -252,7 +267,10 @@ class SplitAllreduceStrategy(ParallelStrategy):
             replica.load_state_dict(self.lightning_module.state_dict(), strict=strict)
 
     def teardown(self) -> None:
-        self.replicas, self._replica_optimizers, self._metric_pairs = [], [], []
+        if self._readiness is not None:
+            self._readiness.remove()
+            self._readiness = None
+        self.replicas, self._replica_optimizers, self._metric_pairs, self._replica_params = [], [], [], []
         # ParallelStrategy.teardown would tear down a cluster environment that this strategy never set up
         super(ParallelStrategy, self).teardown()
 
@@ -353,9 +371,19 @@ class SplitAllreduceStrategy(ParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_allreduce() -> Any:
-            # after the (last micro-batch's) backward, before clipping and the update: reduce once per step
-            out = closure()
-            self.allreduce_gradients()
+            # Lightning calls this closure for the last micro-batch only (earlier ones just accumulate): the
+            # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
+            ready = self._readiness if self._readiness is not None and not self._logs_grad_norms_now() else None
+            if ready is not None:
+                self._sent_in_backward = [0] * self.num_replicas
+                ready.arm()
+            elif self._readiness is not None:
+                self._readiness.reduced = []
+            try:
+                out = closure()
+            finally:
+                left = ready.disarm() if ready is not None else None
+            self.allreduce_gradients(left)
             return out
 
         out = super().optimizer_step(optimizer, closure_then_allreduce, model, **kwargs)
@@ -379,19 +407,39 @@ class SplitAllreduceStrategy(ParallelStrategy):
             self.check_replicas_in_sync()
         return out
 
-    def allreduce_gradients(self) -> list[int]:
-        """Sum the replicas' gradients in place with the configured algorithm; returns bytes sent per device."""
-        params = [list(r.parameters()) for r in self.replicas]
+    def _logs_grad_norms_now(self) -> bool:
+        trainer = self.lightning_module.trainer
+        return bool(self.log_grad_norms and trainer.loggers and trainer._logger_connector.should_update_logs)
+
+    def _reduce_bucket_in_backward(self, b: int) -> None:
+        members = [[ps[i] for i in self._buckets[b]] for ps in self._replica_params]
+        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm)):
+            self._sent_in_backward[dev] += n
+
+    def allreduce_gradients(self, buckets: list[int] | None = None) -> list[int]:
+        """Sum the replicas' gradients in place with the configured algorithm; returns bytes sent per device.
+
+        Args:
+            buckets: With `overlap`, the indices of the buckets not yet reduced during backward; None: all.
+        """
+        params = self._replica_params or [list(r.parameters()) for r in self.replicas]
         trainer = self.lightning_module.trainer
         log_now = trainer.loggers and trainer._logger_connector.should_update_logs
         metrics = {}
-        if self.log_grad_norms and log_now:
+        if self._logs_grad_norms_now():
             for k, ps in enumerate(params):
                 grads = [p.grad.detach().float().norm() for p in ps if p.grad is not None]
                 metrics[f"grad_norm/replica_{k}"] = torch.stack(grads).norm().item() if grads else 0.0
-        self.bytes_sent = allreduce_gradients_(params, self.algorithm, self.bucket_cap_bytes)
+        if buckets is None:
+            self.bytes_sent = allreduce_gradients_(params, self.algorithm, buckets=self._buckets or None,
+                                                   cap_bytes=self.bucket_cap_bytes)
+        else:
+            rest = allreduce_gradients_(params, self.algorithm, buckets=[self._buckets[b] for b in buckets])
+            self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
         if log_now:
             metrics["comm/bytes_sent_per_device_max"] = float(max(self.bytes_sent))
+            if self._readiness is not None:
+                metrics["comm/buckets_reduced_in_backward"] = float(len(self._readiness.reduced))
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         return self.bytes_sent

@@ -1,0 +1,76 @@
+"""Allreduce each gradient bucket during backward, as soon as every replica's gradients of it are ready.
+
+Seed 004 (the three ways to split work) and DDP's design: backward produces the last layers' gradients
+first, so the buckets of those layers can be exchanged while the earlier layers are still being
+differentiated, instead of one exchange after the whole backward.
+
+How readiness is known: a `register_post_accumulate_grad_hook` on every parameter of every replica fires
+once its `.grad` holds this backward's contribution; a bucket is ready when all K replicas' hooks for
+all its parameters have fired. The last hook to fire reduces the bucket there and then.
+
+Threads and streams: with replicas on several GPUs, autograd runs each device's backward on its own
+thread, so hooks of different replicas fire concurrently; counting and reducing happen under one lock.
+A bucket is reduced only after every replica's gradient kernels for it were enqueued, on each device's
+current stream (the default stream unless the model uses streams itself), so stream order makes the
+reduction read finished gradients.
+"""
+
+import threading
+from collections.abc import Callable, Sequence
+
+from torch import Tensor, nn
+
+
+class BucketReadiness:
+    """Counts gradient readiness per bucket during one backward and reduces each bucket when it completes.
+
+    Args:
+        replica_params: K aligned lists of parameters (entry i of each the same parameter on another replica).
+        buckets: Lists of parameter indices (as from `bucket_indices`); each index in exactly one bucket.
+        reduce_bucket: Called as `reduce_bucket(b)` when bucket b is ready, under the lock; returns nothing.
+    """
+
+    def __init__(self, replica_params: Sequence[Sequence[nn.Parameter]], buckets: Sequence[Sequence[int]],
+                 reduce_bucket: Callable[[int], None]) -> None:
+        self.buckets = [list(b) for b in buckets]
+        self.reduce_bucket = reduce_bucket
+        trainable = [all(ps[i].requires_grad for ps in replica_params) for i in range(len(replica_params[0]))]
+        self._sizes = [len(replica_params) * sum(trainable[i] for i in b) for b in self.buckets]
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
+        self.armed = False
+        self.reduced: list[int] = []  # buckets reduced during the current (or last) armed backward, in order
+        bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(bucket_of[i]))
+                         for params in replica_params for i, p in enumerate(params) if trainable[i]]
+
+    def _hook_for(self, bucket: int) -> Callable[[Tensor], None]:
+        def hook(_param: Tensor) -> None:
+            if not self.armed:
+                return  # a backward of a micro-batch that accumulates: reduce only after the last one
+            with self._lock:
+                self._pending[bucket] -= 1
+                if self._pending[bucket] == 0:
+                    self.reduce_bucket(bucket)
+                    self.reduced.append(bucket)
+        return hook
+
+    def arm(self) -> None:
+        """Start counting for the next backward."""
+        with self._lock:
+            self._pending = list(self._sizes)
+            self.reduced = []
+            self.armed = True
+
+    def disarm(self) -> list[int]:
+        """Stop counting; returns the buckets not reduced (some replica had no gradient for some parameter)."""
+        with self._lock:
+            self.armed = False
+            done = set(self.reduced)
+            return [b for b in range(len(self.buckets)) if b not in done]
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
