@@ -1,18 +1,18 @@
 """One LeNet training epoch on the CPU, several ways, alternated in one run (issue 6's baseline comparison).
 
-    python -m benchmarks.lenet_epoch                       # needs the real data under data/ (scripts/get_data.sh)
-    python -m benchmarks.lenet_epoch --rounds 5 --compile  # adds bare and app under torch.compile
-    python -m benchmarks.lenet_epoch --channels_last       # NHWC convs in every contender
+    python -m benchmarks.lenet_epoch               # needs the real data under data/ (scripts/get_data.sh)
+    python -m benchmarks.lenet_epoch --rounds 5 --only seed bare app
 
 * seed: the loop of seed multi-gpu-d2l-pytorch-zh: torchvision FashionMNIST with per-sample ToTensor, a
   DataLoader with 4 workers and shuffling, plain SGD, global batch 256, eager PyTorch;
 * bare: the same model and optimizer over the uint8 tensors held in memory, one index op per batch;
 * app: `python -m src.cli fit` on configs/lenet.yaml overridden to the same optimizer and batch, timed by
   the app's own `time/epoch_s` (training seconds, validation excluded);
-* bare+compile, app+compile (with --compile): the same two with `torch.compile` (TorchInductor). Compiling
-  is a one-off cost per run and is timed apart: the bare loop compiles on two warm-up steps (a full and the
-  short last batch), the app runs two epochs and its second is the one compared (its first minus its second
-  is printed as the compile cost).
+* bare+cl, app+cl: the same two with channels_last (NHWC) convs;
+* bare+cl+compile, app+cl+compile: and with `torch.compile` (TorchInductor) too. Compiling is a one-off
+  cost per run and is timed apart: the bare loop compiles on two warm-up steps (a full and the short last
+  batch), the app runs two epochs and its second is the one compared (its first minus its second is
+  printed as the compile cost).
 
 All contenders train the same LeNet (Kaiming init, seed 0) with plain SGD at lr 0.05 (at 0.1 some seeds'
 first steps diverge to a constant loss, which would time a network that no longer learns); the app
@@ -106,33 +106,30 @@ def app(channels_last: bool, compile: bool = False) -> float:
                 m + "channels_last", str(channels_last).lower(), m + "compile", str(compile).lower()])
     report = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "EpochReport")
     if compile and len(report.epoch_seconds) == 2:
-        print(f"  app+compile: first epoch {report.epoch_seconds[0]:.1f} s, second {report.epoch_seconds[1]:.1f} s "
+        print(f"  app+cl+compile: first epoch {report.epoch_seconds[0]:.1f} s, second {report.epoch_seconds[1]:.1f} s "
               f"(compile about {report.epoch_seconds[0] - report.epoch_seconds[1]:.0f} s)", flush=True)
     return float(cli.trainer.callback_metrics["throughput/images_per_s"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    runners = {
+        "seed": lambda: seed_loop(False), "bare": lambda: bare_loop(False), "app": lambda: app(False),
+        "bare+cl": lambda: bare_loop(True), "app+cl": lambda: app(True),
+        "bare+cl+compile": lambda: bare_loop(True, compile=True), "app+cl+compile": lambda: app(True, compile=True),
+    }
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--channels_last", action="store_true", help="NHWC convs in every contender")
-    parser.add_argument("--compile", action="store_true", help="add bare and app under torch.compile")
-    parser.add_argument("--skip_seed", action="store_true", help="leave the (slowest) seed loop out")
+    parser.add_argument("--only", nargs="*", choices=list(runners), help="contenders to run (default: all)")
     args = parser.parse_args()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}, "
-          f"channels_last={args.channels_last}")
-    runners = {"seed": seed_loop, "bare": bare_loop, "app": app}
-    if args.skip_seed:
-        del runners["seed"]
-    if args.compile:
-        runners["bare+compile"] = lambda cl: bare_loop(cl, compile=True)
-        runners["app+compile"] = lambda cl: app(cl, compile=True)
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}")
+    runners = {name: fn for name, fn in runners.items() if not args.only or name in args.only}
     rates: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):
         for name, fn in runners.items():
-            rates[name].append(fn(args.channels_last))
+            rates[name].append(fn())
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()) + " images/s", flush=True)
     med = {n: statistics.median(v) for n, v in rates.items()}
-    bases = [b for b in ("seed", "bare", "bare+compile") if b in med]
+    bases = [b for b in ("seed", "bare", "bare+cl", "bare+cl+compile") if b in med]
     print("\n| contender | images/s (median) | sec per 60k-image epoch | " + " | ".join(f"time vs {b}" for b in bases) + " |")
     print("|---|---|---|" + "---|" * len(bases))
     for n, v in med.items():

@@ -2,6 +2,7 @@
 
     python -m benchmarks.strategy_step                 # real data if present under data/, else synthetic
     python -m benchmarks.strategy_step --rounds 5 --steps 40 --k 2
+    python -m benchmarks.strategy_step --overlap --bucket_cap_mb 0.1   # adds K replicas with `overlap`
 
 Runs the real Trainer for `--steps` optimizer steps per trial, alternating single, K replicas, single, ...
 (`--rounds` times each), and reports the median seconds per step of each and their ratio, measured in the
@@ -71,20 +72,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per trial (first 5 not counted)")
     parser.add_argument("--rounds", type=int, default=5, help="trials of each, alternated")
     parser.add_argument("--batch", type=int, default=256, help="global batch")
+    parser.add_argument("--overlap", action="store_true", help="also time K replicas with overlap: true")
+    parser.add_argument("--bucket_cap_mb", type=float, default=25.0, help="bucket size of the K-replica runs")
     args = parser.parse_args()
     root = data_dir()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"lightning {pl.__version__}, {torch.get_num_threads()} threads, data: {root}")
     medians: dict[str, list[float]] = {"single": [], f"K={args.k}": []}
+    if args.overlap:
+        medians[f"K={args.k} overlap"] = []
     for r in range(args.rounds):
         for name in medians:
-            strategy = "auto" if name == "single" else SplitAllreduceStrategy(devices=["cpu"] * args.k)
+            strategy = "auto" if name == "single" else SplitAllreduceStrategy(
+                devices=["cpu"] * args.k, bucket_cap_mb=args.bucket_cap_mb, overlap=name.endswith("overlap"))
             seconds, _ = run(strategy, args.steps, args.batch, root)
             medians[name].append(statistics.median(seconds[5:]))
         print(f"round {r + 1}: " + ", ".join(f"{n} {m[-1] * 1e3:.2f} ms/step" for n, m in medians.items()))
-    single, multi = (statistics.median(m) for m in medians.values())
+    single, multi, *rest = (statistics.median(m) for m in medians.values())
     print(f"\nLeNet, global batch {args.batch}: single {single * 1e3:.2f} ms/step, K={args.k} replicas "
           f"{multi * 1e3:.2f} ms/step, ratio {multi / single:.3f} (median of {args.rounds} alternated trials)")
+    if rest:
+        print(f"K={args.k} with overlap: {rest[0] * 1e3:.2f} ms/step, {rest[0] / multi:.3f}x without "
+              f"(buckets of {args.bucket_cap_mb} MiB)")
 
     print("\nbytes sent per device in one step (LeNet gradients, float32)")
     n_bytes = sum(p.numel() for p in LeNetClassifier().parameters()) * 4

@@ -1,6 +1,7 @@
 """Allreduce each gradient bucket during backward, as soon as every replica's gradients of it are ready.
 
-Seed 004 (the three ways to split work) and DDP's design: backward produces the last layers' gradients
+Seed multi-gpu-d2l-pytorch-zh (the third way to split work: "while other gradients are still being computed,
+the finished ones can start to be exchanged") and DDP's design: backward produces the last layers' gradients
 first, so the buckets of those layers can be exchanged while the earlier layers are still being
 differentiated, instead of one exchange after the whole backward.
 

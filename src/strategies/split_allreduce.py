@@ -95,9 +95,10 @@ class SplitAllreduceStrategy(ParallelStrategy):
         bucket_cap_mb: Gradient bucket size in MiB: gradients are flattened into buckets of at most this
             size (filled from the last layer backwards, as DDP does) and each bucket is allreduced as one buffer.
         overlap: Allreduce each bucket during backward, as soon as every replica's gradients of it are ready
-            (gradient hooks; seed 004's overlap of communication with computation), instead of after the
-            whole backward. Same buckets, same sums, bitwise the same result. Steps that log
-            `log_grad_norms` exchange after backward, since the norms are of the gradients before the allreduce.
+            (gradient hooks; seed multi-gpu-d2l-pytorch-zh: finished gradients are exchanged while others are
+            still being computed), instead of after the whole backward. Same buckets, same sums, bitwise the
+            same result. Steps that log `log_grad_norms` exchange after backward (the norms are of the
+            gradients before the allreduce).
         auto_split_steps: Steps timed by `split_weights: auto` (the first one is a warm-up and not counted).
         check_sync_every: Every this many optimizer steps, check that all replicas are bitwise equal to
             replica 0 and raise `ReplicaDesyncError` naming the first parameter that differs (0: never).
