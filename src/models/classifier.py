@@ -32,10 +32,11 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: Cross-entropy label smoothing in [0, 1).
         init: Weight initialisation: "kaiming", "normal" (seeds' N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
-        compile: Run the network through `torch.compile` (TorchInductor by default): on the 2-core CPU it
-            cuts the LeNet training step to about 0.5-0.7x of eager, after a one-off compile of 20-60 seconds
-            per graph (training, evaluation, and once more for the first batch of another size). Checkpoints
-            are unchanged (the parameters stay under `net.`), so a run may be resumed with it on or off.
+        compile: Run the network through `torch.compile` (TorchInductor by default). On the 2-core CPU, LeNet
+            at batch 256 with channels_last: about 0.6x the eager epoch time (benchmarks/lenet_epoch.py); at
+            batch 64 no gain. One-off compile of 10-30 seconds per graph (training, evaluation, and once more
+            for the first batch of another size), cached on disk for later runs. Checkpoints are unchanged
+            (the parameters stay under `net.`), so a run may be resumed with it on or off.
         compile_mode: `torch.compile` mode: "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune".
         compile_backend: `torch.compile` backend: "inductor" (generates fused kernels), or "aot_eager" (traces
             forward and backward without generating code: for checking that a model compiles, quickly).
@@ -90,7 +91,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _network(self) -> nn.Module:
         """`self.net`, or its compiled wrapper when `compile` is on (built at the first call, per copy)."""
-        if not self.hparams.get("compile", False):
+        if not self.hparams.compile:
             return self.net
         compiled = self.__dict__.get("_compiled_net")
         if compiled is None:
