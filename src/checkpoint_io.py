@@ -1,4 +1,4 @@
-"""Checkpoint writes that never leave a half-written file where a checkpoint should be."""
+"""Checkpoint writes that never leave a half-written file, and loads that never run code."""
 
 import os
 from pathlib import Path
@@ -6,6 +6,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+def _keep_location(storage: Any, location: Any) -> Any:
+    return storage  # Lightning's default: tensors stay where they were saved
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -16,7 +20,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     of the same name from the same process overwrites). Lightning's default goes through an fsspec
     transaction whose temporary file lives in the system temp folder, and a move across filesystems is a
     copy, which a kill can interrupt half-way.
+
+    Every load goes through torch's weights-only unpickler (tensors and plain data only), whatever the caller
+    asks for, so a crafted checkpoint cannot run code.
     """
+
+    def load_checkpoint(self, path: Any, map_location: Any = _keep_location, weights_only: bool | None = None) -> dict:
+        """Load with `weights_only=True` always.
+
+        Raises:
+            ValueError: If a caller turns `weights_only` off (an unrestricted unpickler).
+        """
+        if weights_only is False:
+            raise ValueError("checkpoints are loaded with torch's weights-only unpickler only; turning weights_only "
+                             "off would let a checkpoint run code while it loads")
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:

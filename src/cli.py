@@ -36,6 +36,11 @@ class CLI(LightningCLI):
     def _check(self) -> None:
         check_before_run(self.trainer, self.datamodule)
         config = self.config_init[self.subcommand]
+        if config.get("weights_only") is False:
+            raise ValueError("--weights_only false is refused: it lets a checkpoint run code while it loads. This tool "
+                             "loads checkpoints with torch's weights-only unpickler only (see docs/security.md)")
+        if "weights_only" in config:
+            config["weights_only"] = True  # explicit: torch then ignores TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
         if config.get("ckpt_path"):
             root = getattr(self.trainer.logger, "root_dir", None)
             config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], Path(root) if root else None)
@@ -48,7 +53,7 @@ class CLI(LightningCLI):
             return
         ckpt = self.trainer.checkpoint_callback
         best = "best" if ckpt is not None and getattr(ckpt, "best_model_path", "") else None
-        results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best)
+        results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best, weights_only=True)
         reports = [c for c in self.trainer.callbacks if isinstance(c, EpochReport)]
         images = f", {reports[0].test_images:,} test images" if reports else ""
         if results and "test/acc" in results[0]:

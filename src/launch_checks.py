@@ -1,6 +1,8 @@
 """Checks run by the CLI before training starts (and before DDP starts any process): one clear message each."""
 
 import os
+import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -84,24 +86,64 @@ def resolve_last_checkpoint(ckpt_path: str | None, experiment_dir: Path | None) 
     return str(found[-1])
 
 
-def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
-    """A checkpoint given with --ckpt_path must exist, load, and fit the configured model.
+class UnsafeCheckpointError(ValueError):
+    """Raised for a checkpoint whose unpickling would need objects other than tensors and plain data."""
+
+
+def load_checkpoint_safely(path: str | Path) -> dict:
+    """Load a checkpoint file with torch's weights-only unpickler, onto the CPU.
+
+    The weights-only unpickler rebuilds tensors, containers and plain values only, so a crafted file cannot
+    run code while it is read; weights_only=True is passed explicitly because torch then ignores the
+    environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD.
+
+    Returns:
+        The checkpoint dict (tensors on the CPU).
 
     Raises:
+        UnsafeCheckpointError: The file needs arbitrary objects to unpickle; it was not loaded.
+        ValueError: The file is unreadable: truncated, or not a checkpoint.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only load failed" not in str(err).lower():
+            raise ValueError(f"--ckpt_path {path} cannot be read as a Lightning checkpoint (UnpicklingError: {err}); "
+                             "it may be truncated or not a checkpoint") from err
+        found = re.search(r"(?:unsupported GLOBAL|Unsupported global: GLOBAL) ([\w.]+)", str(err))
+        what = f" (it asks for {found.group(1)})" if found else ""
+        raise UnsafeCheckpointError(
+            f"--ckpt_path {path} was not loaded: it holds objects other than tensors and plain data{what}, and "
+            "unpickling those could run code. Use a checkpoint saved by this tool, or load a trusted file's "
+            "state_dict yourself and save that") from None
+    except Exception as err:  # truncated zip, a file that is not a checkpoint
+        raise ValueError(f"--ckpt_path {path} cannot be read as a Lightning checkpoint ({type(err).__name__}: "
+                         f"{err}); it may be truncated or not a checkpoint") from err
+
+
+def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
+    """A checkpoint given with --ckpt_path must be a local file, load safely, and fit the configured model.
+
+    Raises:
+        ValueError: A URL (remote checkpoints are refused: Lightning would unpickle them unrestricted), an
+            unreadable file, or one saved from a different network (the message names the first parameter
+            whose shape differs, or the missing and unexpected ones).
+        UnsafeCheckpointError: A file that needs unrestricted unpickling.
         FileNotFoundError: No such file.
-        ValueError: Unreadable (truncated or not a checkpoint), or saved from a different network: the
-            message names the first parameter whose shape differs, or the missing and unexpected ones.
     """
     if ckpt_path in (None, "best", "last", "hpc", "registry"):
         return
+    if "://" in str(ckpt_path):
+        raise ValueError(f"--ckpt_path {ckpt_path}: checkpoints are loaded from local files only; download it first "
+                         "and give the file's path")
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such file")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    except Exception as err:  # truncated zip, pickle garbage, a file that is not a checkpoint
-        raise ValueError(f"--ckpt_path {ckpt_path} cannot be read as a Lightning checkpoint ({type(err).__name__}: "
-                         f"{err}); it may be truncated or not a checkpoint") from err
+    checkpoint = load_checkpoint_safely(path)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError(f"--ckpt_path {ckpt_path} cannot be read as a Lightning checkpoint (it has no state_dict); "
+                         "it may be truncated or not a checkpoint")
+    state = checkpoint["state_dict"]
     mine = model.state_dict()
     for name, t in mine.items():
         if name in state and tuple(state[name].shape) != tuple(t.shape):

@@ -29,6 +29,26 @@ def test_debian_gz_files_are_unpacked(tmp_path):
     assert dm.splits["train"][0].shape == (500, 28, 28) and dm.splits["test"][0].shape == (200, 28, 28)
 
 
+def test_a_crafted_idx_header_is_refused_before_allocation(tmp_path):
+    import gzip
+    import struct
+    import tracemalloc
+
+    from src.data.integrity import CorruptDataError
+
+    debian = write_fashion_mnist(tmp_path / "debian", gz=True)
+    # a small file whose header claims 2 billion images: 1.5 TB if a reader believed it
+    claim = struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">3i", 2_000_000_000, 28, 28) + bytes(784)
+    with gzip.open(debian / "train-images-idx3-ubyte.gz", "wb") as f:
+        f.write(claim)
+    tracemalloc.start()
+    with pytest.raises(CorruptDataError, match=r"2000000000 x 28 x 28\) needs 1,568,000,000,016"):
+        ensure_raw_files(tmp_path / "data", debian_dir=debian, download=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50 * 2**20  # checked from the 16-byte header and the file size, nothing allocated for the claim
+
+
 def test_torchvision_download_from_a_loopback_mirror(tmp_path, monkeypatch):
     served = write_fashion_mnist(tmp_path / "mirror", gz=True)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))

@@ -39,6 +39,12 @@ def _unpack_debian(raw: Path, debian_dir: Path) -> bool:
     return True
 
 
+def _check_all(raw: Path) -> None:
+    """Check every IDX header against its file size before torchvision allocates anything for it."""
+    for name in RAW_FILES:
+        check_idx_file(raw / name)
+
+
 def ensure_raw_files(data_dir: str | Path, debian_dir: str | Path = DEBIAN_DIR, download: bool = True) -> str:
     """Make the four unpacked IDX files exist under `data_dir/FashionMNIST/raw/`.
 
@@ -61,19 +67,21 @@ def ensure_raw_files(data_dir: str | Path, debian_dir: str | Path = DEBIAN_DIR, 
     """
     raw = Path(data_dir) / "FashionMNIST" / "raw"
     if all((raw / name).is_file() for name in RAW_FILES):
-        for name in RAW_FILES:
-            check_idx_file(raw / name)
+        _check_all(raw)
         return "present"
     check_writable(raw)
     if _unpack_debian(raw, Path(debian_dir)):
+        _check_all(raw)
         return "debian"
     if download:
         try:
             FashionMNIST(str(data_dir), train=True, download=True)
             FashionMNIST(str(data_dir), train=False, download=True)
-            return "download"
         except Exception as err:  # any network or checksum failure ends in the same advice
             reason = f"torchvision's download failed: {err}"
+        else:
+            _check_all(raw)
+            return "download"
     else:
         reason = "download is disabled (data.download=false)"
     raise DataUnavailableError(
