@@ -1,10 +1,11 @@
-"""One LeNet training epoch on the CPU, several ways, alternated in one run (issue 6's baseline comparison).
+"""One LeNet training epoch on the CPU, several ways, alternated in one run.
 
     python -m benchmarks.lenet_epoch               # needs the real data under data/ (scripts/get_data.sh)
     python -m benchmarks.lenet_epoch --rounds 5 --only seed bare app
 
-* seed: the loop of seed multi-gpu-d2l-pytorch-zh: torchvision FashionMNIST with per-sample ToTensor, a
-  DataLoader with 4 workers and shuffling, plain SGD, global batch 256, eager PyTorch;
+* seed: the d2l.ai chapter's loop (https://d2l.ai/chapter_computational-performance/multiple-gpus-concise.html):
+  torchvision FashionMNIST with per-sample ToTensor, a DataLoader with 4 workers and shuffling, plain SGD,
+  global batch 256, eager PyTorch;
 * bare: the same model and optimizer over the uint8 tensors held in memory, one index op per batch;
 * app: `python -m src.cli fit` on configs/lenet.yaml overridden to the same optimizer and batch, timed by
   the app's own `time/epoch_s` (training seconds, validation excluded);
@@ -14,8 +15,8 @@
   batch), the app runs two epochs and its second is the one compared (its first minus its second is
   printed as the compile cost).
 
-All contenders train the same LeNet (Kaiming init, seed 0) with plain SGD at lr 0.05 (at 0.1 some seeds'
-first steps diverge to a constant loss, which would time a network that no longer learns); the app
+All contenders train the same LeNet (Kaiming init, seed 0) with plain SGD at lr 0.05 (at 0.1 the first steps
+diverge to a constant loss for some random seeds, which would time a network that no longer learns); the app
 trains on the 59,000 images configs/lenet.yaml does not hold out for validation and the loops on 60,000,
 so they are compared by images/s. Rounds go through the contenders in turn; the table shows medians and ratios of seconds per
 image (time vs X < 1: faster than X).
@@ -44,7 +45,7 @@ def _model(channels_last: bool) -> nn.Module:
 
 
 def seed_loop(channels_last: bool) -> float:
-    """The seed's loop for one epoch; returns images/s."""
+    """The d2l.ai chapter's loop for one epoch; returns images/s."""
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
 
