@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     print(f"# torch {torch.__version__}, {os.cpu_count()} cores, K = {args.k}, median of {args.repeats}")
-    print("| gradient | N floats | reduce_broadcast | ring | gloo all_reduce (K processes) | bytes/device: ours ring, rb device 0 |")
+    print("| gradient | N floats | reduce_broadcast | ring | gloo all_reduce (K processes) "
+          "| bytes/device: ours ring, rb device 0 |")
     print("|---|---|---|---|---|---|")
     for name, n in SIZES.items():
         rb, rb_sent = time_ours(n, args.k, "reduce_broadcast", args.repeats)

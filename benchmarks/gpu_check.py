@@ -19,7 +19,7 @@ from benchmarks.strategy_step import StepTimer, data_dir
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.strategies import SplitAllreduceStrategy
-from src.strategies.replicas import first_difference
+from src.strategies.replicate import first_difference
 
 warnings.filterwarnings("ignore")
 

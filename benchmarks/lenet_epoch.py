@@ -18,8 +18,8 @@
 All contenders train the same LeNet (Kaiming init, seed 0) with plain SGD at lr 0.05 (at 0.1 the first steps
 diverge to a constant loss for some random seeds, which would time a network that no longer learns); the app
 trains on the 59,000 images configs/lenet.yaml does not hold out for validation and the loops on 60,000,
-so they are compared by images/s. Rounds go through the contenders in turn; the table shows medians and ratios of seconds per
-image (time vs X < 1: faster than X).
+so they are compared by images/s. Rounds go through the contenders in turn; the table shows medians and
+ratios of seconds per image (time vs X < 1: faster than X).
 """
 
 import argparse
@@ -131,7 +131,8 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()) + " images/s", flush=True)
     med = {n: statistics.median(v) for n, v in rates.items()}
     bases = [b for b in ("seed", "bare", "bare+cl", "bare+cl+compile") if b in med]
-    print("\n| contender | images/s (median) | sec per 60k-image epoch | " + " | ".join(f"time vs {b}" for b in bases) + " |")
+    print("\n| contender | images/s (median) | sec per 60k-image epoch | "
+          + " | ".join(f"time vs {b}" for b in bases) + " |")
     print("|---|---|---|" + "---|" * len(bases))
     for n, v in med.items():
         print(f"| {n} | {v:,.0f} | {60000 / v:.1f} | " + " | ".join(f"{med[b] / v:.3f}" for b in bases) + " |")

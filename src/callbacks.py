@@ -1,10 +1,12 @@
-"""Per-epoch timing and throughput, printed as the seeds' one-line summary and logged to TensorBoard."""
+"""Callbacks: per-epoch timing and throughput, the strategy's measurements in TensorBoard, last.ckpt."""
 
 import time
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
+
+from src.lightning_compat import logging_step, should_update_logs
 
 
 def strategy_devices(trainer: pl.Trainer) -> list[str]:
@@ -15,7 +17,7 @@ def strategy_devices(trainer: pl.Trainer) -> list[str]:
 
 
 class EpochReport(pl.Callback):
-    """Logs `time/epoch_s` (training seconds, validation excluded, as the seeds count it) and
+    """Logs `time/epoch_s` (training seconds, validation excluded, as the d2l.ai chapters count it) and
     `throughput/images_per_s` (training images per second over all processes), then prints
     `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0 (with the number of
     batches run when an epoch was cut short by max_steps or limit_train_batches).
@@ -64,6 +66,49 @@ class EpochReport(pl.Callback):
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         rank_zero_info(f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
                        f"{throughput:,.0f} images/s on [{devices}]")
+
+
+class StrategyMetrics(pl.Callback):
+    """Logs what a data-parallel strategy measured, at the Trainer's logging steps (`log_every_n_steps`).
+
+    Reads, when the strategy has them (`SplitAllreduceStrategy` does; other strategies log nothing):
+    `comm/bytes_sent_per_device_max` (bytes, the busiest device's share of the last allreduce),
+    `comm/buckets_reduced_in_backward` (with `overlap`), `grad_norm/replica_k` (with `log_grad_norms`: each
+    replica's gradient norm before the allreduce), and once, when `split_weights: auto` has fixed them,
+    `split/weight_replica_k` (also printed, with each replica's measured images/s).
+    """
+
+    def __init__(self) -> None:
+        self._split_logged = False
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs, batch,
+                           batch_idx: int) -> None:
+        strategy = trainer.strategy
+        steps = getattr(strategy, "steps", None)
+        if steps is None or steps == self._last_step or not trainer.loggers:
+            return  # not our strategy, or no optimizer step in this batch (gradient accumulation)
+        self._last_step = steps
+        metrics = {}
+        if should_update_logs(trainer):
+            exchange = getattr(strategy, "exchange", None)
+            if exchange is not None and exchange.bytes_sent:
+                metrics["comm/bytes_sent_per_device_max"] = float(max(exchange.bytes_sent))
+            if exchange is not None and exchange.reduced_in_backward is not None:
+                metrics["comm/buckets_reduced_in_backward"] = float(exchange.reduced_in_backward)
+            for k, norm in enumerate(exchange.grad_norms if exchange is not None else []):
+                metrics[f"grad_norm/replica_{k}"] = norm
+        if strategy.split_fixed_at_step is not None and not self._split_logged:
+            self._split_logged = True
+            weights = strategy.split_weights
+            metrics.update({f"split/weight_replica_{k}": w for k, w in enumerate(weights)})
+            rates = ", ".join(f"{d}: {r:,.0f} images/s"
+                              for d, r in zip(strategy.replica_devices, strategy.auto_split.median_rates()))
+            rank_zero_info(f"split_allreduce: auto split fixed at {[round(w, 3) for w in weights]} of each global "
+                           f"batch (forward throughput {rates})")
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=logging_step(trainer))
 
 
 class LastCheckpoint(ModelCheckpoint):

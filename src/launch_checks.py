@@ -10,19 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-
-def check_global_batch(batch_size: int, eval_batch_size: int, world_size: int) -> None:
-    """The global batch must split evenly over DDP's processes (each takes batch_size / world_size).
-
-    Raises:
-        ValueError: Naming the batch, the world size and the nearest valid batch sizes.
-    """
-    for key, value in (("data.batch_size", batch_size), ("data.eval_batch_size", eval_batch_size)):
-        if value % world_size:
-            lower = max(world_size, value - value % world_size)
-            raise ValueError(
-                f"{key}={value} is the global batch and must divide evenly by the world size {world_size} "
-                f"(number of processes: trainer.devices x trainer.num_nodes); use {lower} or {lower + world_size}")
+from src.sharding import check_enough_samples, check_global_batch
 
 
 def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[str, str] = os.environ) -> None:
@@ -53,10 +41,8 @@ def check_epochs(max_epochs: int | None) -> None:
 def check_replicas(batch_size: int, eval_batch_size: int, strategy: object) -> None:
     """Raises ValueError when a global batch has fewer samples than our strategy has replicas."""
     k = getattr(strategy, "num_replicas", 1)
-    for key, value in (("data.batch_size", batch_size), ("data.eval_batch_size", eval_batch_size)):
-        if value < k:
-            raise ValueError(f"{key}={value} is smaller than the {k} replicas of {type(strategy).__name__}: "
-                             f"every replica needs a sample; use {key} >= {k}")
+    check_enough_samples("data.batch_size=", batch_size, k)
+    check_enough_samples("data.eval_batch_size=", eval_batch_size, k)
 
 
 def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
@@ -64,7 +50,8 @@ def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
     check_epochs(trainer.max_epochs)
     check_cluster(trainer.num_nodes, getattr(trainer.strategy, "cluster_environment", None))
     if hasattr(datamodule, "batch_size") and hasattr(datamodule, "eval_batch_size"):
-        check_global_batch(datamodule.batch_size, datamodule.eval_batch_size, trainer.world_size)
+        check_global_batch("data.batch_size", datamodule.batch_size, trainer.world_size)
+        check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, trainer.world_size)
         check_replicas(datamodule.batch_size, datamodule.eval_batch_size, trainer.strategy)
 
 

@@ -84,8 +84,9 @@ def write_report(rows: list[Row], out: Path, title: str) -> None:
               "final val acc"]
     lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        lines.append(f"| {r.strategy} | {r.devices} | {r.global_batch} | {r.sec_per_epoch:.2f} | {r.images_per_s:,.0f} | "
-                     f"{r.speedup_vs_single:.2f} | {r.efficiency:.2f} | {r.final_val_acc:.4f} |")
+        lines.append(f"| {r.strategy} | {r.devices} | {r.global_batch} | {r.sec_per_epoch:.2f} "
+                     f"| {r.images_per_s:,.0f} | {r.speedup_vs_single:.2f} | {r.efficiency:.2f} "
+                     f"| {r.final_val_acc:.4f} |")
     tmp = out / ".scaling.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "scaling.md")

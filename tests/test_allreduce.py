@@ -43,7 +43,8 @@ def test_unknown_algorithm_is_named():
 
 
 def test_buckets_respect_the_cap_and_cover_every_parameter():
-    params = [torch.zeros(100), torch.zeros(300), torch.zeros(50, dtype=torch.float64), torch.zeros(200), torch.zeros(10)]
+    params = [torch.zeros(100), torch.zeros(300), torch.zeros(50, dtype=torch.float64), torch.zeros(200),
+              torch.zeros(10)]
     buckets = bucket_indices(params, cap_bytes=1600)  # 400 float32 values
     assert sorted(i for b in buckets for i in b) == list(range(5))
     for b in buckets:

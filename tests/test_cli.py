@@ -2,9 +2,8 @@
 
 from pathlib import Path
 
-import torch
-
 import pytest
+import torch
 
 from src.cli import main
 

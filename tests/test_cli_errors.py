@@ -82,7 +82,8 @@ def test_no_data_and_no_network(fast_args, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(FashionMNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens: offline
     args = _data_args(fast_args, tmp_path / "data")
     args[args.index("--data.download") + 1] = "true"
-    _fails([*LENET, *args], capsys, "Fashion-MNIST not found", "download failed", "apt-get install dataset-fashion-mnist")
+    _fails([*LENET, *args], capsys, "Fashion-MNIST not found", "download failed",
+           "apt-get install dataset-fashion-mnist")
     assert not list((tmp_path / "logs").glob("*/version_*"))
 
 
@@ -124,7 +125,8 @@ def test_checkpoint_problems(fast_args, tmp_path, capsys, lenet_checkpoint):
 
 
 def test_ckpt_path_last_finds_the_newest_run(fast_args, tmp_path, lenet_checkpoint):
-    assert run([*LENET, *fast_args, "--ckpt_path", "last", "--trainer.max_epochs", "2", "--test_after_fit", "false"]) == 0
+    resume = ["--ckpt_path", "last", "--trainer.max_epochs", "2", "--test_after_fit", "false"]
+    assert run([*LENET, *fast_args, *resume]) == 0
     import torch
 
     resumed = tmp_path / "logs" / "lenet" / "version_1" / "checkpoints" / "last.ckpt"

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from src.data.fashion_mnist import (MEAN, RAW_FILES, STD, DataUnavailableError, FashionMNISTDataModule,
-                                    ensure_raw_files)
-from src.data.loader import GlobalBatchSampler, shard_sizes
+from src.data.fashion_mnist import MEAN, RAW_FILES, STD, DataUnavailableError, FashionMNISTDataModule, ensure_raw_files
+from src.data.loader import GlobalBatchSampler
+from src.sharding import shard_sizes
 from tests.idx import write_fashion_mnist
 
 
@@ -74,7 +74,7 @@ def test_no_data_names_the_three_ways(tmp_path):
 
 
 def test_splits_are_seeded_and_disjoint(tiny_data_dir):
-    a, b = FashionMNISTDataModule(str(tiny_data_dir), val_size=100), FashionMNISTDataModule(str(tiny_data_dir), val_size=100)
+    a, b = (FashionMNISTDataModule(str(tiny_data_dir), val_size=100) for _ in range(2))
     a.setup("fit"), b.setup("fit")
     assert torch.equal(a.splits["val"][0], b.splits["val"][0])
     train = {t.numpy().tobytes() for t in a.splits["train"][0]}

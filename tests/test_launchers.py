@@ -38,7 +38,8 @@ def two_node_run(tiny_data_dir, tmp_path_factory):
            "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(logs)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), *cli],
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               *cli],
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in (0, 1)]
     outputs = []

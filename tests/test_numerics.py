@@ -17,7 +17,8 @@ class PoisonedLeNet(LeNetClassifier):
 
 
 def test_nonfinite_loss_stops_naming_step_and_batch(tiny_data_dir):
-    with pytest.raises(FloatingPointError, match=r"non-finite training loss \(nan\) at global step 3 \(epoch 0, batch 3\)"):
+    expected = r"non-finite training loss \(nan\) at global step 3 \(epoch 0, batch 3\)"
+    with pytest.raises(FloatingPointError, match=expected):
         fit(tiny_data_dir, model_cls=PoisonedLeNet, steps=6)
 
 

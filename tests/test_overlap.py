@@ -25,12 +25,13 @@ def test_overlap_is_bitwise_the_same_and_reduces_every_bucket_in_backward(tiny_d
 
     class RecordReduced(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            reduced_per_step.append(list(trainer.strategy._readiness.reduced))
+            reduced_per_step.append(list(trainer.strategy.exchange.readiness.reduced))
 
     model, strategy, snap = _run(tiny_data_dir, k, overlap=True, algorithm=algorithm, steps=8,
                                  callbacks=[RecordReduced()])
-    assert len(strategy._buckets) >= 5
-    assert all(sorted(r) == list(range(len(strategy._buckets))) for r in reduced_per_step) and len(reduced_per_step) == 8
+    assert len(strategy.exchange.buckets) >= 5
+    assert len(reduced_per_step) == 8
+    assert all(sorted(r) == list(range(len(strategy.exchange.buckets))) for r in reduced_per_step)
     assert reduced_per_step[0][0] == 0  # the bucket of the last layer completes first
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)

@@ -4,6 +4,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from src.callbacks import StrategyMetrics
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.strategies import SplitAllreduceStrategy
 from tests.strategy_runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
@@ -47,14 +48,15 @@ def test_shard_sizes_follow_the_weights():
     s = SplitAllreduceStrategy(devices=[CPU, CPU], split_weights=[3, 1])
     assert s.shard_sizes(256) == [192, 64]
     assert SplitAllreduceStrategy(devices=[CPU, CPU]).shard_sizes(257) == [129, 128]
-    with pytest.raises(ValueError, match="1 sample.*2 replicas.*batch_size"):
+    with pytest.raises(ValueError, match="a batch of 1 is smaller than the 2 replicas.*data.batch_size"):
         s.shard_sizes(1)
 
 
 @pytest.mark.parametrize("feature", ["adam_cosine", "clipping", "accumulation"])
 def test_optimizers_schedules_clipping_and_accumulation(tiny_data_dir, feature):
     options = {
-        "adam_cosine": dict(model_kwargs={"optimizer": "adam", "lr": 0.01, "scheduler": "cosine", "warmup_epochs": 0.5}),
+        "adam_cosine": dict(model_kwargs={"optimizer": "adam", "lr": 0.01, "scheduler": "cosine",
+                                          "warmup_epochs": 0.5}),
         "clipping": dict(gradient_clip_val=0.05),
         "accumulation": dict(accumulate_grad_batches=2, batch_size=20),
     }[feature]
@@ -85,7 +87,7 @@ def test_resnet_batchnorm_buffers_stay_equal(tiny_data_dir, mode):
 
 
 def test_buffer_mean_averages_the_replicas():
-    from src.strategies.replicas import sync_buffers_
+    from src.strategies.replicate import sync_buffers_
 
     a, b = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
     a.running_mean.fill_(1.0), b.running_mean.fill_(3.0)
@@ -155,7 +157,7 @@ class _Corrupt(pl.Callback):
 
 
 def test_desync_check_names_the_parameter(tiny_data_dir):
-    from src.strategies.replicas import ReplicaDesyncError
+    from src.strategies.replicate import ReplicaDesyncError
 
     with pytest.raises(ReplicaDesyncError, match=r"replica 1 on cpu differs from replica 0 at 'net.classifier.3.bias'"):
         fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=6,
@@ -173,7 +175,8 @@ def test_grad_norms_bytes_and_replica_parameters_are_inspectable(tiny_data_dir, 
 
     peek = Peek()
     strategy = SplitAllreduceStrategy(devices=[CPU, CPU], log_grad_norms=True)
-    fit(tiny_data_dir, strategy, steps=4, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1, callbacks=[peek])
+    fit(tiny_data_dir, strategy, steps=4, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1,
+        callbacks=[peek, StrategyMetrics()])
     assert peek.same
     ea = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
     ea.Reload()

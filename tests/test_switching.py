@@ -62,8 +62,9 @@ def test_several_nodes_need_a_cluster(fast_args, monkeypatch):
 
 
 def test_overlays_change_only_trainer_keys():
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     for overlay in Path("configs/strategy").glob("*.yaml"):
         config = yaml.safe_load(overlay.read_text())

@@ -13,11 +13,12 @@ from torchvision.datasets import FashionMNIST
 
 from src.data.integrity import check_idx_file, check_writable
 from src.data.loader import GlobalBatchSampler, TensorBatchLoader
+from src.sharding import check_global_batch
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 MEAN, STD = 0.2860, 0.3530  # of the 60k training images, pixel values in [0, 1]
-CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+CLASSES = tuple(FashionMNIST.classes)  # class names in label order, "T-shirt/top" to "Ankle boot"
 
 
 class DataUnavailableError(RuntimeError):
@@ -170,11 +171,7 @@ class FashionMNISTDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, global_batch: int, train: bool) -> TensorBatchLoader:
         rank, world_size = self._world()
-        if global_batch % world_size:
-            raise ValueError(
-                f"data.batch_size={global_batch} is the global batch and must divide evenly by the "
-                f"world size {world_size} (processes); pick a multiple of {world_size}"
-            )
+        check_global_batch("data.batch_size" if train else "data.eval_batch_size", global_batch, world_size)
         images, labels = self.splits[split]
         sampler = GlobalBatchSampler(len(images), global_batch, shuffle=train, drop_last=False,
                                      seed=self.shuffle_seed, rank=rank, world_size=world_size)

@@ -10,32 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-
-def shard_sizes(n: int, weights: list[float]) -> list[int]:
-    """Split `n` samples into len(weights) shares proportional to `weights`, none dropped.
-
-    Largest-remainder rounding: equal weights give shares that differ by at most one sample
-    (seed multi-gpu-scratch `split_and_load`, without its requirement that n divides evenly).
-
-    Args:
-        n: Number of samples (>= 0).
-        weights: Positive relative sizes, one per shard.
-
-    Returns:
-        Shard sizes (ints) that sum to `n`.
-
-    Raises:
-        ValueError: If `weights` is empty or holds a value <= 0.
-    """
-    if not weights or any(w <= 0 for w in weights):
-        raise ValueError(f"split weights must be a non-empty list of positive numbers, got {weights}")
-    total = float(sum(weights))
-    exact = [n * w / total for w in weights]
-    sizes = [int(e) for e in exact]
-    order = sorted(range(len(weights)), key=lambda i: (exact[i] - sizes[i], -i), reverse=True)
-    for i in order[: n - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
+from src.sharding import shard_sizes
 
 
 class GlobalBatchSampler:

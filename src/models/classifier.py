@@ -5,8 +5,8 @@ from typing import Literal
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.models import LeNet, ResNet18, init_weights
@@ -20,17 +20,17 @@ class ImageClassifier(pl.LightningModule):
         num_classes: Number of classes.
         optimizer: "sgd" (with momentum/nesterov), "adam" or "adamw".
         lr: Peak learning rate (> 0).
-        momentum: SGD momentum (0 gives the seeds' plain minibatch SGD).
+        momentum: SGD momentum (0 gives the d2l.ai chapters' plain minibatch SGD).
         nesterov: Nesterov momentum for SGD.
         weight_decay: L2 penalty (decoupled for adamw).
-        scheduler: "constant" (the seeds), "cosine" (cosine decay to 0, per step) or "onecycle" (torch's
+        scheduler: "constant" (d2l.ai's), "cosine" (cosine decay to 0, per step) or "onecycle" (torch's
             OneCycleLR, per step). "constant" and "cosine" start with `warmup_epochs` of linear warmup.
         warmup_epochs: Epochs of linear warmup from lr / warmup_steps to lr (may be fractional).
-        base_batch_size: Linear scaling rule (Goyal et al. 2017, and the seeds' 256 -> lr 0.1, 512 -> lr
+        base_batch_size: Linear scaling rule (Goyal et al. 2017, and d2l.ai's 256 -> lr 0.1, 512 -> lr
             0.2): when set, the lr used is `lr * global_batch / base_batch_size`, where the global batch is
             the DataModule's batch_size times accumulate_grad_batches. Logged as the hparam `lr_scaled`.
         label_smoothing: Cross-entropy label smoothing in [0, 1).
-        init: Weight initialisation: "kaiming", "normal" (seeds' N(0, 0.01)) or "default" (PyTorch's).
+        init: Weight initialisation: "kaiming", "normal" (d2l.ai's N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
         compile: Run the network through `torch.compile` (TorchInductor by default). On the 2-core CPU, LeNet
             at batch 256 with channels_last: about 0.6x the eager epoch time (benchmarks/lenet_epoch.py); at
@@ -220,14 +220,14 @@ def _warmup_then(warmup: int, total: int, cosine: bool):
 
 
 class LeNetClassifier(ImageClassifier):
-    """LeNet of seed multi-gpu-scratch trained as an `ImageClassifier` (see its arguments)."""
+    """LeNet of d2l.ai, "Training on Multiple GPUs", trained as an `ImageClassifier` (see its arguments)."""
 
     def build_net(self, num_classes: int) -> nn.Module:
         return LeNet(num_classes)
 
 
 class ResNet18Classifier(ImageClassifier):
-    """ResNet-18 of seed multi-gpu-d2l-pytorch-zh trained as an `ImageClassifier` (see its arguments)."""
+    """ResNet-18 of d2l.ai, "Concise Implementation for Multiple GPUs", trained as an `ImageClassifier`."""
 
     def build_net(self, num_classes: int) -> nn.Module:
         return ResNet18(num_classes)

@@ -1,10 +1,12 @@
-"""The LeNet variant of seed multi-gpu-scratch: two conv layers with average pooling, two dense layers."""
+"""The LeNet variant of d2l.ai, "Training on Multiple GPUs": two conv layers with average pooling, two dense layers."""
 
 from torch import Tensor, nn
 
 
 class LeNet(nn.Module):
-    """LeNet exactly as in seed multi-gpu-scratch (`lenet(X, params)`).
+    """LeNet as in d2l.ai, "Training on Multiple GPUs" (`lenet(X, params)`), written as an nn.Module.
+
+    https://d2l.ai/chapter_computational-performance/multiple-gpus.html
 
     conv 20@3x3 -> ReLU -> avg-pool 2/2 -> conv 50@5x5 -> ReLU -> avg-pool 2/2 -> flatten (800)
     -> dense 128 -> ReLU -> dense 10.

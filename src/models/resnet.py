@@ -1,4 +1,4 @@
-"""The modified ResNet-18 of seed multi-gpu-d2l-pytorch-zh for 28x28 single-channel images."""
+"""The modified ResNet-18 of d2l.ai, "Concise Implementation for Multiple GPUs", for 28x28 single-channel images."""
 
 from torch import Tensor, nn
 
@@ -31,12 +31,14 @@ class Residual(nn.Module):
 
 
 class ResNet18(nn.Module):
-    """ResNet-18 as in seed multi-gpu-d2l-pytorch-zh (`resnet18(num_classes, in_channels=1)`).
+    """ResNet-18 as in d2l.ai, "Concise Implementation for Multiple GPUs" (`resnet18(num_classes, in_channels=1)`).
+
+    https://d2l.ai/chapter_computational-performance/multiple-gpus-concise.html
 
     3x3 stride-1 stem conv (64) + BN + ReLU, no max-pool; four stages of two residual blocks with
     64, 128, 256, 512 channels (stages 2-4 start with a stride-2 block and a 1x1 shortcut conv);
     global average pool; dense to `num_classes`. Convs feeding a BN carry no bias (BN's shift
-    makes it redundant), unlike the seed; the function computed is the same.
+    makes it redundant), unlike the chapter's; the function computed is the same.
 
     Args:
         num_classes: Number of output logits.

@@ -3,8 +3,8 @@
 Two algorithms, both in place on a list of K same-shaped 1-D buffers (one per device), both returning
 the bytes each device sent, so the communication cost is visible and checkable:
 
-* `reduce_broadcast`: seed multi-gpu-scratch `allreduce`: sum everything on device 0, then copy the sum
-  back to every other device. Device 0 sends (K-1)·N bytes, every other device N.
+* `reduce_broadcast`: d2l.ai, "Training on Multiple GPUs", `allreduce`: sum everything on device 0, then
+  copy the sum back to every other device. Device 0 sends (K-1)·N bytes, every other device N.
 * `ring`: reduce-scatter then all-gather over K chunks (Patarasuk & Yuan 2009, the algorithm NCCL and
   Horovod use): every device sends 2(K-1)/K·N bytes, whatever K, so no device is a bottleneck.
 """
@@ -14,9 +14,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from src.data.loader import shard_sizes
+from src.sharding import shard_sizes
 
 ALGORITHMS = ("reduce_broadcast", "ring")
+
+
+def check_algorithm(name: str) -> None:
+    """Raises ValueError unless `name` is one of ALGORITHMS."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown allreduce algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
 def _nbytes(t: Tensor) -> int:
@@ -24,7 +30,7 @@ def _nbytes(t: Tensor) -> int:
 
 
 def reduce_broadcast_(buffers: Sequence[Tensor]) -> list[int]:
-    """Sum on device 0, then broadcast (seed multi-gpu-scratch `allreduce`), in place.
+    """Sum on device 0, then broadcast, in place (d2l.ai, "Training on Multiple GPUs": `allreduce`).
 
     Args:
         buffers: K 1-D tensors of equal length and dtype, one per replica (any devices).
@@ -96,11 +102,8 @@ def allreduce_(buffers: Sequence[Tensor], algorithm: str) -> list[int]:
     Raises:
         ValueError: For an unknown algorithm.
     """
-    try:
-        impl = _IMPLEMENTATIONS[algorithm]
-    except KeyError:
-        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
-    return impl(buffers)
+    check_algorithm(algorithm)
+    return _IMPLEMENTATIONS[algorithm](buffers)
 
 
 def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
@@ -177,8 +180,8 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
             if ps[i].grad is None:
                 ps[i].grad = torch.zeros_like(ps[i])
     if buckets is None:
-        master = [replica_params[0][i] for i in live]
-        buckets = [[live[j] for j in bucket] for bucket in bucket_indices(master, cap_bytes)]
+        replica0 = [replica_params[0][i] for i in live]
+        buckets = [[live[j] for j in bucket] for bucket in bucket_indices(replica0, cap_bytes)]
     else:
         alive = set(live)
         buckets = [[i for i in bucket if i in alive] for bucket in buckets]

@@ -1,9 +1,9 @@
 """Allreduce each gradient bucket during backward, as soon as every replica's gradients of it are ready.
 
-Seed multi-gpu-d2l-pytorch-zh (the third way to split work: "while other gradients are still being computed,
-the finished ones can start to be exchanged") and DDP's design: backward produces the last layers' gradients
-first, so the buckets of those layers can be exchanged while the earlier layers are still being
-differentiated, instead of one exchange after the whole backward.
+The d2l.ai multi-GPU chapters note that finished gradients can be exchanged while others are still being
+computed; DDP is built that way. Backward produces the last layers' gradients first, so the buckets of
+those layers can be exchanged while the earlier layers are still being differentiated, instead of one
+exchange after the whole backward.
 
 How readiness is known: a `register_post_accumulate_grad_hook` on every parameter of every replica fires
 once its `.grad` holds this backward's contribution; a bucket is ready when all K replicas' hooks for

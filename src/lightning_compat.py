@@ -1,0 +1,59 @@
+"""The few places where this project reaches into Lightning's private API, kept together.
+
+Each function says why no public API serves. If a Lightning upgrade breaks one, this is the file to fix.
+"""
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+def should_update_logs(trainer: "pl.Trainer") -> bool:
+    """Whether this training batch is one whose metrics reach the loggers (every `log_every_n_steps`).
+
+    No public property says so; Lightning's own LearningRateMonitor reads the same one.
+    """
+    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+
+
+def logging_step(trainer: "pl.Trainer") -> int:
+    """The step number Lightning logs this training batch's metrics at (batches that stepped so far).
+
+    `trainer.global_step` counts optimizer steps and is already advanced in `on_train_batch_end`; Lightning's
+    own loggers and LearningRateMonitor use this counter, so our scalars line up with theirs.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def transfer_batch(module: "pl.LightningModule", batch: Any, device: torch.device) -> Any:
+    """Move `batch` to `device` through the module's and DataModule's transfer hooks, as Lightning does.
+
+    `Strategy.batch_to_device` moves to the root device only; a shard for replica k needs the same hook
+    chain (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) to device k.
+    """
+    return module._apply_batch_transfer_handler(batch, device=device)
+
+
+def copy_hook_name(source: "pl.LightningModule", target: "pl.LightningModule") -> None:
+    """Tell a replica which hook is running, so its `self.log` calls are accepted and routed like replica 0's.
+
+    `self.log` checks the running hook through this attribute, which the Trainer sets on the attached module
+    only.
+    """
+    target._current_fx_name = source._current_fx_name
+
+
+def forget_metric_attributes(module: torch.nn.Module) -> None:
+    """Clear a deep-copied LightningModule's cache of metric attribute names.
+
+    The cache maps `id()`s of the original's torchmetrics objects; a copy would look up the wrong objects.
+    """
+    if hasattr(module, "_metric_attributes"):
+        module._metric_attributes = None
+
+
+def sync_batchnorm_requested(strategy: "pl.strategies.Strategy") -> bool:
+    """Whether `trainer.sync_batchnorm: true` was set: the Trainer hands it to the strategy as a layer-sync
+    plugin, which strategies keep in this attribute without a public accessor."""
+    return strategy._layer_sync is not None

@@ -1,0 +1,80 @@
+"""One optimizer step's gradient allreduce across K replicas: over fixed buckets, during or after backward.
+
+Counts the bytes each device sends, and can take each replica's gradient norm before the exchange.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from src.strategies.allreduce import allreduce_bucket_, allreduce_gradients_, bucket_indices
+from src.strategies.overlap import BucketReadiness
+
+
+class GradientExchange:
+    """Allreduce (sum) of the `.grad` of K aligned parameter lists, bucket by bucket.
+
+    Args:
+        replica_params: K lists of parameters, replica 0's first; entry i of each is the same parameter.
+        algorithm: "ring" or "reduce_broadcast" (see `src.strategies.allreduce`).
+        cap_bytes: Bucket capacity in bytes; buckets are filled from the last parameter backwards.
+        overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready.
+    """
+
+    def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
+                 overlap: bool) -> None:
+        self.params, self.algorithm = replica_params, algorithm
+        self.buckets = bucket_indices(replica_params[0], cap_bytes)
+        self.readiness = BucketReadiness(replica_params, self.buckets, self._reduce_in_backward) if overlap else None
+        self.bytes_sent: list[int] = []  # per device, in the last exchange
+        self.grad_norms: list[float] = []  # per replica, before the last exchange, when asked for
+        self._sent_in_backward: list[int] = []
+
+    def around_backward(self, backward: Callable[[], Any], grad_norms: bool = False) -> Any:
+        """Run `backward` (Lightning's closure: forward, loss, backward) and leave every gradient allreduced.
+
+        Args:
+            backward: The closure; its result is returned.
+            grad_norms: Record each replica's gradient norm first; the exchange then waits until after
+                backward, as the norms are of the gradients before it.
+        """
+        ready = self.readiness if self.readiness is not None and not grad_norms else None
+        if ready is not None:
+            self._sent_in_backward = [0] * len(self.params)
+            ready.arm()
+        elif self.readiness is not None:
+            self.readiness.reduced = []
+        try:
+            out = backward()
+        finally:
+            left = ready.disarm() if ready is not None else None
+        self.grad_norms = [_grad_norm(ps) for ps in self.params] if grad_norms else []
+        if left is None:
+            self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets)
+        else:
+            rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left])
+            self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
+        return out
+
+    @property
+    def reduced_in_backward(self) -> int | None:
+        """With overlap, how many buckets the last exchange reduced during backward; None without it."""
+        return len(self.readiness.reduced) if self.readiness is not None else None
+
+    def remove(self) -> None:
+        """Remove the overlap hooks."""
+        if self.readiness is not None:
+            self.readiness.remove()
+
+    def _reduce_in_backward(self, b: int) -> None:
+        members = [[ps[i] for i in self.buckets[b]] for ps in self.params]
+        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm)):
+            self._sent_in_backward[dev] += n
+
+
+def _grad_norm(params: list[nn.Parameter]) -> float:
+    """L2 norm over all gradients of one replica, in float32 (0.0 when none has a gradient)."""
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return torch.stack(grads).norm().item() if grads else 0.0

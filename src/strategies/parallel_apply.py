@@ -1,0 +1,63 @@
+"""Run one step hook (training_step, validation_step, test_step) on every replica, each on its own shard.
+
+The third seam of `torch.nn.DataParallel`'s forward. The replicas run one after another from this thread:
+on separate GPUs their kernels still overlap, because launches are asynchronous.
+"""
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from src.lightning_compat import copy_hook_name, transfer_batch
+
+
+def _synced_clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], shards: list[Any],
+                   sizes: list[int], step: str, args: tuple = (), kwargs: dict | None = None,
+                   timed: bool = False) -> tuple[list[Any], list[float]]:
+    """Call `getattr(replica_k, step)(shard_k on device k, *args, **kwargs)` for every non-empty shard.
+
+    Replica 0 runs last: for a torchmetrics object passed to `self.log`, Lightning keeps the last one logged,
+    and it must be replica 0's, into which the other replicas' metric states are merged after the step.
+    Every other replica first takes replica 0's train/eval mode per submodule and its running hook name.
+
+    Args:
+        replicas: K LightningModules, replica 0 (the one the Trainer holds) first.
+        devices: The device of each replica.
+        shards: K host batches (see `scatter`).
+        sizes: Samples in each shard; a replica whose shard is empty is skipped and its output is None.
+        step: The hook's name.
+        args: Further positional arguments of the hook (e.g. batch_idx).
+        kwargs: Its keyword arguments.
+        timed: Also measure each replica's seconds (synchronising CUDA devices around its call).
+
+    Returns:
+        (outputs, seconds): outputs in replica order; seconds per replica when `timed` (0.0 for empty
+        shards), else an empty list.
+    """
+    kwargs = kwargs or {}
+    replica0 = replicas[0]
+    outputs: list[Any] = [None] * len(replicas)
+    seconds = [0.0] * len(replicas) if timed else []
+    for k in [*range(1, len(replicas)), 0]:
+        if sizes[k] == 0:
+            continue
+        replica, device = replicas[k], devices[k]
+        shard = transfer_batch(replica0, shards[k], device)
+        if k:
+            for source, target in zip(replica0.modules(), replica.modules()):
+                target.training = source.training
+            copy_hook_name(replica0, replica)
+        start = _synced_clock(device) if timed else 0.0
+        outputs[k] = getattr(replica, step)(shard, *args, **kwargs)
+        if timed:
+            seconds[k] = _synced_clock(device) - start
+    return outputs, seconds
+

@@ -1,0 +1,1 @@
+"""What the tests share: fast CLI arguments, tiny IDX data, short real-Trainer runs, callbacks that kill."""

@@ -1,0 +1,27 @@
+"""Command-line arguments that keep a real `python -m src.cli` run to a few batches of the tiny data."""
+
+from pathlib import Path
+
+
+def data_args(data_dir: str | Path, batch_size: int = 64) -> list[str]:
+    """The tiny data set (see `idx.write_fashion_mnist`), 100 images held out, no download."""
+    return ["--data.data_dir", str(data_dir), "--data.val_size", "100", "--data.batch_size", str(batch_size),
+            "--data.download", "false"]
+
+
+def trainer_args(save_dir: str | Path | None = None, max_epochs: int = 1, train_batches: int | None = None,
+                 eval_batches: int = 2) -> list[str]:
+    """A short run without a progress bar: `max_epochs`, at most `train_batches` (None: all) and
+    `eval_batches` batches per epoch; logs and checkpoints under `save_dir` when given."""
+    args = ["--trainer.max_epochs", str(max_epochs), "--trainer.limit_val_batches", str(eval_batches),
+            "--trainer.limit_test_batches", str(eval_batches), "--trainer.enable_progress_bar", "false"]
+    if train_batches is not None:
+        args += ["--trainer.limit_train_batches", str(train_batches)]
+    if save_dir is not None:
+        args += ["--trainer.logger.init_args.save_dir", str(save_dir)]
+    return args
+
+
+def fast_args(data_dir: str | Path, save_dir: str | Path) -> list[str]:
+    """One epoch of 3 training batches (global batch 64) and 2 evaluation batches."""
+    return [*data_args(data_dir), *trainer_args(save_dir, train_batches=3)]
