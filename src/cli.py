@@ -61,10 +61,18 @@ class CLI(LightningCLI):
                            f"run in {self.trainer.log_dir}")
 
 
+DEFAULTS = Path(__file__).resolve().parent.parent / "configs" / "defaults.yaml"
+
+
 def main(args: ArgsType = None) -> CLI:
-    """Build and run the CLI; `args` (a list of strings) replaces sys.argv[1:] for tests."""
-    return CLI(ImageClassifier, FashionMNISTDataModule, subclass_mode_model=True,
-               seed_everything_default=42, args=args, parser_class=RaisingArgumentParser)
+    """Build and run the CLI; `args` (a list of strings) replaces sys.argv[1:] for tests.
+
+    `configs/defaults.yaml` (what every experiment shares) is read before any --config file.
+    """
+    defaults = {"default_config_files": [str(DEFAULTS)]}
+    return CLI(ImageClassifier, FashionMNISTDataModule, subclass_mode_model=True, seed_everything_default=42,
+               args=args, parser_class=RaisingArgumentParser,
+               parser_kwargs={command: defaults for command in ("fit", "validate", "test", "predict")})
 
 
 def run(argv: list[str] | None = None) -> int:

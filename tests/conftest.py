@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tests.idx import write_fashion_mnist
+from tests.helpers import cli_args
+from tests.helpers.idx import write_fashion_mnist
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
@@ -20,10 +21,4 @@ def tiny_data_dir(tmp_path_factory):
 @pytest.fixture
 def fast_args(tiny_data_dir, tmp_path):
     """CLI overrides for a run of a few batches on the tiny data, logging under tmp_path."""
-    return [
-        "--data.data_dir", str(tiny_data_dir), "--data.val_size", "100", "--data.batch_size", "64",
-        "--data.download", "false",
-        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
-        "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false",
-        "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
-    ]
+    return cli_args.fast_args(tiny_data_dir, tmp_path / "logs")

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # starts processes of its own
+
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = """

@@ -3,7 +3,7 @@
 import pytest
 
 from src.cli import run
-from tests.idx import write_fashion_mnist
+from tests.helpers.idx import write_fashion_mnist
 
 LENET = ["fit", "--config", "configs/lenet.yaml"]
 SPLIT = ["--config", "configs/strategy/split_allreduce.yaml"]

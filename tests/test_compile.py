@@ -8,7 +8,7 @@ import torch
 
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import assert_replicas_bitwise_equal, ddp, fit, max_param_diff
+from tests.helpers.runs import assert_replicas_bitwise_equal, ddp, fit, max_param_diff
 
 COMPILED = {"compile": True, "compile_backend": "aot_eager"}
 

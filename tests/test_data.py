@@ -11,7 +11,7 @@ import torch
 from src.data.fashion_mnist import MEAN, RAW_FILES, STD, DataUnavailableError, FashionMNISTDataModule, ensure_raw_files
 from src.data.loader import GlobalBatchSampler
 from src.sharding import shard_sizes
-from tests.idx import write_fashion_mnist
+from tests.helpers.idx import write_fashion_mnist
 
 
 def test_files_already_present_are_used(tiny_data_dir, tmp_path):

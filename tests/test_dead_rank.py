@@ -8,22 +8,26 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from tests.helpers.cli_args import data_args, trainer_args
+
+pytestmark = pytest.mark.slow  # starts processes of its own
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run_with(callback: dict, data_dir: Path, logs: Path, *extra: str) -> tuple[int, str, float]:
     args = [sys.executable, "-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
-            "configs/strategy/ddp_cpu.yaml", "--data.data_dir", str(data_dir), "--data.val_size", "100",
-            "--data.batch_size", "16", "--data.download", "false", "--trainer.max_epochs", "3",
-            "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
-            "--trainer.logger.init_args.save_dir", str(logs), "--trainer.callbacks+", json.dumps(callback), *extra]
+            "configs/strategy/ddp_cpu.yaml", *data_args(data_dir, batch_size=16), *trainer_args(logs, max_epochs=3),
+            "--test_after_fit", "false", "--trainer.callbacks+", json.dumps(callback), *extra]
     log = logs / "output.txt"
     tic = time.monotonic()
     with open(log, "w") as out:  # a file, not a pipe: a hung rank would hold a pipe open after rank 0 exits
         proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(timeout=120)  # the bound: the survivor (rank 0, the launching process) is out in 2 min
+            proc.wait(timeout=120)  # the survivor (rank 0, the launching process) must be out within 2 min
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -37,16 +41,16 @@ def _run_with(callback: dict, data_dir: Path, logs: Path, *extra: str) -> tuple[
 
 
 def test_killed_rank_is_named_by_the_survivor(tiny_data_dir, tmp_path):
-    rc, out, seconds = _run_with({"class_path": "tests.killers.KillAtStep", "init_args": {"step": 10, "rank": 1}},
-                                 tiny_data_dir, tmp_path)
+    kill = {"class_path": "tests.helpers.killers.KillAtStep", "init_args": {"step": 10, "rank": 1}}
+    rc, out, seconds = _run_with(kill, tiny_data_dir, tmp_path)
     assert rc == 2, out[-3000:]
     assert "error: DDP lost rank 1" in out and "(rank 0 of 2)" in out and "--ckpt_path last" in out
     assert "Traceback" not in out and seconds < 120
 
 
 def test_hung_rank_is_given_up_after_the_configured_timeout(tiny_data_dir, tmp_path):
-    rc, out, seconds = _run_with({"class_path": "tests.killers.HangAtStep", "init_args": {"step": 10, "rank": 1}},
-                                 tiny_data_dir, tmp_path, "--trainer.strategy.init_args.timeout", "0:00:15")
+    hang = {"class_path": "tests.helpers.killers.HangAtStep", "init_args": {"step": 10, "rank": 1}}
+    rc, out, seconds = _run_with(hang, tiny_data_dir, tmp_path, "--trainer.strategy.init_args.timeout", "0:00:15")
     assert rc == 2, out[-3000:]
     assert "error: DDP lost rank 1" in out and "stopped answering" in out
     assert 15 <= seconds < 120

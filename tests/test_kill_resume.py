@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from src.cli import main
+from tests.helpers.cli_args import data_args, trainer_args
+
+pytestmark = pytest.mark.slow  # starts processes of its own
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = {"single": [], "split_allreduce": ["--config", "configs/strategy/split_allreduce.yaml"]}
@@ -18,16 +21,14 @@ OVERLAYS = {"single": [], "split_allreduce": ["--config", "configs/strategy/spli
 def _args(data_dir, logs):
     # 500 training images in global batches of 16: 32 steps per epoch; LastCheckpoint saves every 50 steps,
     # so the kill at step 60 lands 10 steps after a mid-epoch save (epoch 1, batch 18)
-    return ["fit", "--config", "configs/lenet.yaml", "--data.data_dir", str(data_dir), "--data.val_size", "100",
-            "--data.batch_size", "16", "--data.download", "false", "--trainer.max_epochs", "3",
-            "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
-            "--trainer.logger.init_args.save_dir", str(logs)]
+    return ["fit", "--config", "configs/lenet.yaml", *data_args(data_dir, batch_size=16),
+            *trainer_args(logs, max_epochs=3), "--test_after_fit", "false"]
 
 
 @pytest.mark.parametrize("strategy", list(OVERLAYS))
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tiny_data_dir, tmp_path, strategy):
     args = _args(tiny_data_dir, tmp_path / "killed") + OVERLAYS[strategy]
-    killer = json.dumps({"class_path": "tests.killers.KillAtStep", "init_args": {"step": 60}})
+    killer = json.dumps({"class_path": "tests.helpers.killers.KillAtStep", "init_args": {"step": 60}})
     proc = subprocess.run([sys.executable, "-m", "src.cli", *args, "--trainer.callbacks+", killer], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]

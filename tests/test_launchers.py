@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli_args import data_args, trainer_args
+
+pytestmark = pytest.mark.slow  # starts processes of its own
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -33,10 +37,8 @@ def two_node_run(tiny_data_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("two_nodes")
     port = _free_port()
     cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/ddp_cpu.yaml",
-           "--trainer.num_nodes", "2", "--trainer.devices", "1", "--data.data_dir", str(tiny_data_dir),
-           "--data.val_size", "100", "--data.batch_size", "64", "--data.download", "false",
-           "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
-           "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(logs)]
+           "--trainer.num_nodes", "2", "--trainer.devices", "1", *data_args(tiny_data_dir),
+           *trainer_args(logs, max_epochs=2)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                *cli],

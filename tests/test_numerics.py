@@ -5,7 +5,7 @@ import torch
 
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import assert_replicas_bitwise_equal, ddp, fit
+from tests.helpers.runs import assert_replicas_bitwise_equal, ddp, fit
 
 
 class PoisonedLeNet(LeNetClassifier):

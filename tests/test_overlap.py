@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import assert_replicas_bitwise_equal, fit, max_param_diff
+from tests.helpers.runs import assert_replicas_bitwise_equal, fit, max_param_diff
 
 SMALL_BUCKETS = 0.05  # MiB: LeNet's 0.5 MB of gradients in 9 buckets, so there is something to overlap
 

@@ -3,12 +3,16 @@
 import csv
 import json
 
+import pytest
+
 from src.scaling import main as scaling_main
+from tests.helpers.cli_args import data_args
+
+pytestmark = pytest.mark.slow  # starts processes of its own
 
 
 def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
-    extra = ["--data.data_dir", str(tiny_data_dir), "--data.val_size", "100", "--data.batch_size", "64",
-             "--data.download", "false", "--trainer.limit_val_batches", "2"]
+    extra = [*data_args(tiny_data_dir), "--trainer.limit_val_batches", "2"]
     report = scaling_main(["--config", "configs/lenet.yaml", "--max_epochs", "2", "--out", str(tmp_path),
                            "--extra", json.dumps(extra)])
     assert report == tmp_path / "lenet" / "version_0"

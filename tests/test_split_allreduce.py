@@ -7,7 +7,7 @@ import torch
 from src.callbacks import StrategyMetrics
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
+from tests.helpers.runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
 
 CPU = "cpu"
 

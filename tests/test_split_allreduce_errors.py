@@ -6,7 +6,7 @@ import torch
 from src.cli import main
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import fit
+from tests.helpers.runs import fit
 
 
 @pytest.mark.parametrize("devices, message", [

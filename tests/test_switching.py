@@ -8,7 +8,7 @@ from src.cli import main
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
-from tests.strategy_runs import StopAfterEpoch, ddp, fit, max_param_diff
+from tests.helpers.runs import StopAfterEpoch, ddp, fit, max_param_diff
 
 
 def _first_batch_loss(model, data_dir) -> float:

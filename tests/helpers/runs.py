@@ -22,7 +22,8 @@ class ReplicaSnapshot(pl.Callback):
 
 def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: int = 20, batch_size: int = 25,
         precision: str = "64-true", model_kwargs: dict | None = None, data_kwargs: dict | None = None,
-        callbacks: list | None = None, ckpt_path: str | None = None, **trainer_kwargs) -> tuple[pl.LightningModule, pl.Trainer, ReplicaSnapshot]:
+        callbacks: list | None = None, ckpt_path: str | None = None,
+        **trainer_kwargs) -> tuple[pl.LightningModule, pl.Trainer, ReplicaSnapshot]:
     """Fit `steps` optimizer steps from seed 0; returns the model, the trainer and the replica snapshot.
 
     float64 by default: float32 rounding of the differently ordered gradient sums grows over steps at high
