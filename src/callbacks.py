@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
-from src.lightning_compat import logging_step, should_update_logs
+from src.lightning_compat import logging_step, save_last_checkpoint, should_update_logs
 
 
 def strategy_devices(trainer: pl.Trainer) -> list[str]:
@@ -128,5 +128,4 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        save_last_checkpoint(self, trainer)

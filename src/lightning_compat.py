@@ -53,6 +53,39 @@ def forget_metric_attributes(module: torch.nn.Module) -> None:
         module._metric_attributes = None
 
 
+def save_last_checkpoint(callback: "pl.callbacks.ModelCheckpoint", trainer: "pl.Trainer") -> None:
+    """Make a ModelCheckpoint write `last.ckpt` now, unless it would skip saving at this point (e.g. in a
+    sanity check or when it already saved this step).
+
+    `save_last` alone rewrites last.ckpt only when the callback saves a top-k checkpoint; no public method
+    saves last.ckpt on demand.
+    """
+    if not callback._should_skip_saving_checkpoint(trainer):
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def attached_trainer(module: "pl.LightningModule") -> "pl.Trainer | None":
+    """The module's Trainer, or None when it is not attached; the public `trainer` property raises then."""
+    return module._trainer
+
+
+def add_logged_hparam(module: "pl.LightningModule", key: str, value: Any) -> None:
+    """Add a hyperparameter after `__init__` so that the logger records it too.
+
+    Loggers record `hparams_initial`, a copy taken in `save_hyperparameters()`; it has no public setter.
+    """
+    module.hparams[key] = module._hparams_initial[key] = value
+
+
+def forget_computed_value(metric: Any) -> None:
+    """Drop a torchmetrics `Metric`'s cached `compute()` result after its state was changed from outside.
+
+    `Metric.merge_state` adds another metric's state but keeps the cached result, so `compute()` would return
+    the value from before the merge; no public method clears only the cache.
+    """
+    metric._computed = None
+
+
 def sync_batchnorm_requested(strategy: "pl.strategies.Strategy") -> bool:
     """Whether `trainer.sync_batchnorm: true` was set: the Trainer hands it to the strategy as a layer-sync
     plugin, which strategies keep in this attribute without a public accessor."""

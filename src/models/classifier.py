@@ -9,6 +9,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from src.lightning_compat import add_logged_hparam, attached_trainer
 from src.models import LeNet, ResNet18, init_weights
 from src.models.metrics import MeanLoss
 
@@ -171,7 +172,7 @@ class ImageClassifier(pl.LightningModule):
     def scaled_lr(self) -> float:
         """The lr the optimizer starts from: `lr`, times global_batch / base_batch_size when that is set."""
         hp = self.hparams
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(attached_trainer(self), "datamodule", None)
         if hp.base_batch_size is None or dm is None or not hasattr(dm, "batch_size"):
             return hp.lr
         return hp.lr * dm.batch_size * self.trainer.accumulate_grad_batches / hp.base_batch_size
@@ -182,7 +183,7 @@ class ImageClassifier(pl.LightningModule):
                              "would have to skip the same step; use stop (the default) or ignore")
         if self.hparams.base_batch_size is not None:
             # Lightning logs the hparams as saved in __init__ (hparams_initial): add the scaled lr to both
-            self.hparams["lr_scaled"] = self._hparams_initial["lr_scaled"] = self.scaled_lr()
+            add_logged_hparam(self, "lr_scaled", self.scaled_lr())
 
     def configure_optimizers(self):
         hp = self.hparams

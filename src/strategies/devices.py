@@ -1,8 +1,4 @@
-"""Which devices hold the replicas, and whether this process may run them all.
-
-`split_allreduce` keeps every replica in one process, so it checks that it was started once, not as one of
-several processes by a launcher.
-"""
+"""Which devices hold the replicas, and whether this process was started as one of several."""
 
 import os
 
@@ -53,20 +49,3 @@ def multi_process_launcher() -> str | None:
     if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
         return f"MPI (OMPI_COMM_WORLD_SIZE={os.environ['OMPI_COMM_WORLD_SIZE']})"
     return None
-
-
-def check_single_process(num_nodes: int) -> None:
-    """`split_allreduce` runs all its replicas in one process on one machine.
-
-    Raises:
-        RuntimeError: Under a multi-process launcher, or with trainer.num_nodes > 1; the message names DDP.
-    """
-    launcher = multi_process_launcher()
-    if launcher:
-        raise RuntimeError(
-            f"split_allreduce runs all its replicas inside one process, but this process is one of several "
-            f"started by {launcher}. Start it once (python -m src.cli fit ...), or choose "
-            f"trainer.strategy: ddp for one process per device.")
-    if num_nodes > 1:
-        raise RuntimeError(f"split_allreduce works within one machine; trainer.num_nodes={num_nodes}. "
-                           "Use trainer.strategy: ddp for several nodes.")

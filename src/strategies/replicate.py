@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from src.lightning_compat import forget_metric_attributes
+from src.lightning_compat import forget_computed_value, forget_metric_attributes
 
 BUFFER_SYNC_MODES = ("broadcast", "mean")
 
@@ -52,7 +52,7 @@ def merge_metrics_(pairs: list[tuple[Metric, Metric]]) -> None:
             continue
         device = next(iter(target.metric_state.values()), torch.empty(0)).device
         target.merge_state(move_data_to_device(source.metric_state, device))
-        target._computed = None  # merge_state does not clear the cached result of compute()
+        forget_computed_value(target)
         source.reset()
 
 

@@ -5,31 +5,20 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
-from src.lightning_compat import should_update_logs, sync_batchnorm_requested
+from src.lightning_compat import should_update_logs
 from src.sharding import check_enough_samples, check_split_weights, shard_sizes
-from src.strategies.allreduce import check_algorithm
 from src.strategies.auto_split import AutoSplit
-from src.strategies.devices import check_single_process, parse_devices
+from src.strategies.devices import parse_devices
 from src.strategies.gradient_exchange import GradientExchange
+from src.strategies.limits import check_one_optimizer, check_options, check_single_process, check_trainer_setup
 from src.strategies.parallel_apply import parallel_apply
-from src.strategies.replicate import (
-    check_buffer_mode,
-    check_in_sync,
-    clone_optimizer,
-    clone_replica,
-    copy_gradients_,
-    copy_hyperparameters_,
-    merge_metrics_,
-    metric_pairs,
-    replica_tensor,
-    sync_buffers_,
-)
+from src.strategies.replicate import (check_in_sync, clone_optimizer, clone_replica, copy_gradients_,
+                                      copy_hyperparameters_, merge_metrics_, metric_pairs, replica_tensor,
+                                      sync_buffers_)
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
 from src.strategies.single_process import SingleProcessParallelStrategy
 
@@ -80,11 +69,8 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
                  auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False,
                  overlap: bool = False) -> None:
         super().__init__(parallel_devices=parse_devices(devices) if devices is not None else None)
-        check_algorithm(allreduce)
-        check_buffer_mode(sync_buffers)
-        check_split_weights(split_weights, len(devices) if devices is not None else None, f"devices {devices}")
-        if bucket_cap_mb <= 0 or auto_split_steps < 2 or check_sync_every < 0:
-            raise ValueError("need bucket_cap_mb > 0, auto_split_steps >= 2 and check_sync_every >= 0")
+        check_options(devices, allreduce, sync_buffers, split_weights, bucket_cap_mb, auto_split_steps,
+                      check_sync_every)
         self.algorithm, self.sync_buffers_mode, self.split_weights = allreduce, sync_buffers, split_weights
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.check_sync_every, self.log_grad_norms, self.overlap = check_sync_every, log_grad_norms, overlap
@@ -126,16 +112,8 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Refuse what the strategy cannot do, then make the replicas (replicate)."""
+        check_trainer_setup(trainer, self)
         replica0 = self.lightning_module
-        if trainer.state.fn == TrainerFn.FITTING and not replica0.automatic_optimization:
-            raise RuntimeError("split_allreduce supports automatic optimization only: with manual optimization "
-                               "every replica would step the optimizer itself. Set automatic_optimization=True.")
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
-                               "bf16-mixed or 32-true")
-        if sync_batchnorm_requested(self):
-            raise RuntimeError("sync_batchnorm needs a process group; split_allreduce keeps BatchNorm buffers "
-                               "equal with its sync_buffers option instead. Set trainer.sync_batchnorm: false.")
         super().setup(trainer)
         self.replicas = [replica0]
         for device in self.parallel_devices[1:]:
@@ -151,8 +129,7 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         """Copy the optimizer to every replica (after a checkpoint's state was restored) and fix the buckets."""
         if self.num_replicas <= 1:
             return
-        if len(self.optimizers) != 1:
-            raise RuntimeError(f"split_allreduce supports one optimizer, got {len(self.optimizers)}")
+        check_one_optimizer(self.optimizers)
         replica0 = self.lightning_module
         self._replica_optimizers = [clone_optimizer(self.optimizers[0], replica0, r) for r in self.replicas[1:]]
         self.exchange = GradientExchange([list(r.parameters()) for r in self.replicas], self.algorithm,
@@ -177,29 +154,21 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Keep batches that will be split on the host: each shard goes straight to its own device."""
-        if self._splits_batches():
+        trainer = self.lightning_module.trainer
+        if len(self.replicas) > 1 and (trainer.training or trainer.validating or trainer.testing
+                                       or trainer.sanity_checking):
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 
-    def _splits_batches(self) -> bool:
-        trainer = self.lightning_module.trainer
-        return len(self.replicas) > 1 and (trainer.training or trainer.validating or trainer.testing
-                                           or trainer.sanity_checking)
-
-    def current_weights(self) -> list[float]:
-        """Relative shard sizes in use now (equal while `auto` is still measuring)."""
-        if isinstance(self.split_weights, (list, tuple)):
-            return [float(w) for w in self.split_weights]
-        return [1.0] * self.num_replicas
-
     def shard_sizes(self, n: int) -> list[int]:
-        """Shard sizes for a batch of `n` samples (sum n, none dropped).
+        """Shard sizes for a batch of `n` samples (sum n, none dropped; equal while `auto` still measures).
 
         Raises:
             ValueError: If `n` is smaller than the number of replicas.
         """
         check_enough_samples("a batch of ", n, self.num_replicas)
-        return shard_sizes(n, self.current_weights())
+        weights = self.split_weights if isinstance(self.split_weights, (list, tuple)) else [1.0] * self.num_replicas
+        return shard_sizes(n, weights)
 
     def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict) -> list[tuple[int, Any]]:
         """Scatter `batch`, run `step` on every replica, merge their metrics; [(n_k, output_k)] by replica."""
