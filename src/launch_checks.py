@@ -131,13 +131,13 @@ def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
         raise ValueError(f"--ckpt_path {ckpt_path} cannot be read as a Lightning checkpoint (it has no state_dict); "
                          "it may be truncated or not a checkpoint")
     state = checkpoint["state_dict"]
-    mine = model.state_dict()
-    for name, t in mine.items():
+    expected = model.state_dict()
+    for name, t in expected.items():
         if name in state and tuple(state[name].shape) != tuple(t.shape):
             raise ValueError(f"--ckpt_path {ckpt_path} does not fit {type(model).__name__}: '{name}' has shape "
                              f"{tuple(state[name].shape)} in the checkpoint but {tuple(t.shape)} in the model; it "
                              "was saved from another network (use the config.yaml of the run that saved it)")
-    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"--ckpt_path {ckpt_path} does not fit {type(model).__name__}: {len(missing)} of the model's tensors "
