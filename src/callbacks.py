@@ -1,5 +1,6 @@
 """Callbacks: per-epoch timing and throughput, the strategy's measurements in TensorBoard, last.ckpt."""
 
+import statistics
 import time
 
 import lightning.pytorch as pl
@@ -22,12 +23,14 @@ class EpochReport(pl.Callback):
     `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0 (with the number of
     batches run when an epoch was cut short by max_steps or limit_train_batches).
 
-    Also counts the images of the last test run over all processes (`test_images`) and keeps the training
-    seconds of every epoch of this run in `epoch_seconds` (list of float).
+    Also logs the medians over the epochs so far, `hp/epoch_s_median` and `hp/images_per_s_median` (metrics of
+    the HPARAMS table), counts the images of the last test run over all processes (`test_images`) and keeps the
+    training seconds of every epoch of this run in `epoch_seconds` (list of float).
     """
 
     def __init__(self) -> None:
         self.epoch_seconds: list[float] = []
+        self.epoch_throughputs: list[float] = []
         self._start = self._val_start = 0.0
         self._val_seconds = 0.0
         self._images = self._batches = 0
@@ -57,15 +60,52 @@ class EpochReport(pl.Callback):
         seconds = max(time.perf_counter() - self._start - self._val_seconds, 1e-9)
         throughput = self._images / seconds
         self.epoch_seconds.append(seconds)
+        self.epoch_throughputs.append(throughput)
         pl_module.log("time/epoch_s", seconds, on_epoch=True)
         pl_module.log("throughput/images_per_s", throughput, on_epoch=True)
+        pl_module.log("hp/epoch_s_median", statistics.median(self.epoch_seconds), on_epoch=True)
+        pl_module.log("hp/images_per_s_median", statistics.median(self.epoch_throughputs), on_epoch=True)
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
         devices = ", ".join(strategy_devices(trainer))
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
-        rank_zero_info(f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
-                       f"{throughput:,.0f} images/s on [{devices}]")
+        say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
+                     f"{throughput:,.0f} images/s on [{devices}]")
+
+
+def say(trainer: pl.Trainer, line: str) -> None:
+    """Print `line` on rank 0 through the progress bar (so the bar is redrawn below it), or as info without one."""
+    bar = trainer.progress_bar_callback
+    if bar is not None and trainer.is_global_zero:
+        bar.print(line)
+    else:
+        rank_zero_info(line)
+
+
+class HParamsMetrics(pl.Callback):
+    """Logs the accuracy metrics of the HPARAMS table: `hp/val_acc_best` and `hp/val_acc_final` after every
+    validation (not the sanity check), `hp/test_acc` after every test; read from `val/acc` and `test/acc`."""
+
+    def __init__(self) -> None:
+        self.best_val_acc = float("-inf")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        acc = trainer.callback_metrics.get("val/acc")
+        if trainer.sanity_checking or acc is None:
+            return
+        self.best_val_acc = max(self.best_val_acc, float(acc))
+        self._log(trainer, {"hp/val_acc_best": self.best_val_acc, "hp/val_acc_final": float(acc)})
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        acc = trainer.callback_metrics.get("test/acc")
+        if acc is not None:
+            self._log(trainer, {"hp/test_acc": float(acc)})
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 class StrategyMetrics(pl.Callback):

@@ -17,6 +17,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.launch_checks import check_before_run, check_checkpoint, resolve_last_checkpoint
 from src.models.classifier import ImageClassifier
+from src.run_logger import RunLogger, run_hparams, run_tag
 
 
 class CLI(LightningCLI):
@@ -33,17 +34,34 @@ class CLI(LightningCLI):
         # check_checkpoint says when a checkpoint does not fit it.
         return
 
+    def before_instantiate_classes(self) -> None:
+        # Runs go under trainer.default_root_dir (configs/defaults.yaml: logs) unless the logger's save_dir is given
+        trainer = self.config[self.subcommand].trainer
+        logger = trainer.get("logger")
+        if getattr(logger, "class_path", None) == f"{RunLogger.__module__}.{RunLogger.__name__}":
+            if logger.init_args.get("save_dir") is None:
+                logger.init_args.save_dir = trainer.get("default_root_dir") or "logs"
+
     def _check(self) -> None:
         check_before_run(self.trainer, self.datamodule)
         config = self.config_init[self.subcommand]
+        logger = self.trainer.logger
+        if isinstance(logger, RunLogger):
+            stage = "" if self.subcommand == "fit" else f"{self.subcommand}/"
+            batch = getattr(self.datamodule, "batch_size", None)
+            logger.describe_run(stage + run_tag(self.trainer),
+                                run_hparams(self.trainer, batch, self.config[self.subcommand].get("seed_everything")))
+        if self.subcommand != "fit" and not config.get("ckpt_path"):
+            raise ValueError(f"{self.subcommand} without --ckpt_path would use untrained weights: give the checkpoint "
+                             "to evaluate, e.g. --ckpt_path last (the newest last.ckpt of this model) or "
+                             "--ckpt_path logs/<model>/<run>/version_N/checkpoints/last.ckpt")
         if config.get("weights_only") is False:
             raise ValueError("--weights_only false is refused: it lets a checkpoint run code while it loads. This tool "
                              "loads checkpoints with torch's weights-only unpickler only (see docs/security.md)")
         if "weights_only" in config:
             config["weights_only"] = True  # explicit: torch then ignores TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
         if config.get("ckpt_path"):
-            root = getattr(self.trainer.logger, "root_dir", None)
-            config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], Path(root) if root else None)
+            config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], _experiment_dir(logger))
             check_checkpoint(config["ckpt_path"], self.model)
 
     before_fit = before_validate = before_test = before_predict = _check
@@ -64,14 +82,24 @@ class CLI(LightningCLI):
 DEFAULTS = Path(__file__).resolve().parent.parent / "configs" / "defaults.yaml"
 
 
+def _experiment_dir(logger: object) -> Path | None:
+    """`<save_dir>/<model>`, the folder that holds every run of this model (None without a logger)."""
+    if isinstance(logger, RunLogger):
+        return Path(logger.save_dir) / logger.experiment_name
+    root = getattr(logger, "root_dir", None)
+    return Path(root) if root else None
+
+
 def main(args: ArgsType = None) -> CLI:
     """Build and run the CLI; `args` (a list of strings) replaces sys.argv[1:] for tests.
 
     `configs/defaults.yaml` (what every experiment shares) is read before any --config file.
     """
     defaults = {"default_config_files": [str(DEFAULTS)]}
+    # auto_configure_optimizers=False: the optimizer and lr schedule are the model's recipe (model.init_args),
+    # so LightningCLI's --optimizer / --lr_scheduler, which would silently replace them, do not exist
     return CLI(ImageClassifier, FashionMNISTDataModule, subclass_mode_model=True, seed_everything_default=42,
-               args=args, parser_class=RaisingArgumentParser,
+               args=args, parser_class=RaisingArgumentParser, auto_configure_optimizers=False,
                parser_kwargs={command: defaults for command in ("fit", "validate", "test", "predict")})
 
 

@@ -24,6 +24,10 @@ class RaisingArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None):
         unknown = re.search(r"(?:unrecognized arguments: --|does not accept option ')([\w.]+)", message)
+        if unknown and unknown.group(1).split(".")[0] in ("optimizer", "lr_scheduler"):
+            raise ConfigError(f"there is no --{unknown.group(1)} option: the optimizer and lr schedule are part of "
+                              "the model's recipe; set model.init_args.optimizer (sgd, adam, adamw), "
+                              "model.init_args.lr and model.init_args.scheduler instead") from ex
         suggestions = []
         if unknown:
             parsers = [self, *getattr(getattr(self, "_subcommands_action", None), "choices", {}).values()]

@@ -56,7 +56,8 @@ def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
 
 
 def resolve_last_checkpoint(ckpt_path: str | None, experiment_dir: Path | None) -> str | None:
-    """Turn `--ckpt_path last` into the newest `version_*/checkpoints/last.ckpt` of this experiment.
+    """Turn `--ckpt_path last` into the newest `last.ckpt` of this experiment, in any of its run folders
+    (`<strategy>-<P>x<K>-<device>/version_*/checkpoints/`, or `version_*/checkpoints/` directly).
 
     Lightning's own "last" looks only in the new run's (empty) checkpoint folder, so a resume would silently
     start from scratch.
@@ -66,9 +67,11 @@ def resolve_last_checkpoint(ckpt_path: str | None, experiment_dir: Path | None) 
     """
     if ckpt_path != "last" or experiment_dir is None:
         return ckpt_path
-    found = sorted(Path(experiment_dir).glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    root = Path(experiment_dir)
+    found = [*root.glob("version_*/checkpoints/last.ckpt"), *root.glob("*/version_*/checkpoints/last.ckpt")]
+    found.sort(key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {experiment_dir}/version_*/checkpoints/; "
+        raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {experiment_dir}/*/version_*/checkpoints/; "
                                 "nothing to resume (drop --ckpt_path to start a new run, or give the path)")
     return str(found[-1])
 

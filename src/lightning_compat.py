@@ -86,6 +86,12 @@ def forget_computed_value(metric: Any) -> None:
     metric._computed = None
 
 
+def file_writer(summary_writer: Any) -> Any:
+    """The event-file writer of a torch SummaryWriter, created if needed, to add a prepared summary protobuf
+    (the HPARAMS plugin's); SummaryWriter has no public method for that, and Lightning uses this one too."""
+    return summary_writer._get_file_writer()
+
+
 def sync_batchnorm_requested(strategy: "pl.strategies.Strategy") -> bool:
     """Whether `trainer.sync_batchnorm: true` was set: the Trainer hands it to the strategy as a layer-sync
     plugin, which strategies keep in this attribute without a public accessor."""

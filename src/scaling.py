@@ -73,8 +73,16 @@ def _next_version(root: Path) -> Path:
     return root / f"version_{n}"
 
 
-def write_report(rows: list[Row], out: Path, title: str) -> None:
-    """Write scaling.md, scaling.csv and scaling.png into `out` (each through a temporary name)."""
+def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = False) -> None:
+    """Write scaling.md, scaling.csv and scaling.png into `out` (each through a temporary name).
+
+    Args:
+        rows: One per run.
+        out: Folder to write into.
+        title: Heading of the table and the plot.
+        shared_cores: The "devices" are CPU devices sharing the same cores: the plot's ideal line is then flat
+            at one device's throughput (1x), and its title says why; otherwise the ideal is linear in devices.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,8 +112,13 @@ def write_report(rows: list[Row], out: Path, title: str) -> None:
                       (name != "single" and r in single)))
         ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=name)
     if single:
+        # CPU "devices" are the same cores shared out, so the most any layout can reach is one device's speed
         counts = sorted({r.devices for r in rows})
-        ax.plot(counts, [single[0].images_per_s * d for d in counts], ls="--", color="gray", label="ideal (linear)")
+        scale = (lambda d: 1) if shared_cores else (lambda d: d)
+        label = "ideal: 1x (devices share the CPU cores)" if shared_cores else "ideal (linear)"
+        ax.plot(counts, [single[0].images_per_s * scale(d) for d in counts], ls="--", color="gray", label=label)
+        if shared_cores:
+            title += "\nCPU devices share the same cores: the ideal speedup is 1x, not one per device"
     ax.set_ylim(bottom=0)  # a zero-based axis keeps small differences from looking large
     ax.set_xlabel("devices (replicas or processes)")
     ax.set_ylabel("training throughput (images/s)")
@@ -153,7 +166,8 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
         cmd = [sys.executable, "-m", "src.cli", "fit", "--config", config, *_overlay_args(strategy, n, accelerator),
                "--trainer.max_epochs", str(max_epochs), "--trainer.max_steps", str(max_steps),
                "--trainer.logger.init_args.save_dir", str(report), "--trainer.logger.init_args.name", name,
-               "--trainer.logger.init_args.version", "0", "--trainer.enable_progress_bar", "false",
+               "--trainer.logger.init_args.version", "0", "--trainer.logger.init_args.name_by_run", "false",
+               "--trainer.enable_progress_bar", "false",
                "--test_after_fit", "false", *extra]
         print(f"[{i}/{len(matrix)}] {name}: training ...", flush=True)
         tic = time.perf_counter()
@@ -172,7 +186,7 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
         speedup = base[0] / sec if base else float("nan")
         rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / n, acc))
     title = f"{model}: {', '.join(strategies)} on {accelerator}, {max_epochs} epoch(s) each"
-    write_report(rows, report, title)
+    write_report(rows, report, title, shared_cores=accelerator == "cpu")
     print(f"report: {report}/scaling.md, scaling.csv, scaling.png; curves: tensorboard --logdir {report}")
     return report
 

@@ -37,7 +37,7 @@ def _fails(args, capsys, *expected):
 ])
 def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
     _fails([*LENET, *fast_args, *extra], capsys, *expected)
-    assert not list((tmp_path / "logs").glob("*/version_*"))  # nothing written for a run that never started
+    assert not list((tmp_path / "logs").glob("**/version_*"))  # nothing written for a run that never started
 
 
 def test_cuda_without_a_gpu(fast_args, capsys):
@@ -84,7 +84,7 @@ def test_no_data_and_no_network(fast_args, tmp_path, capsys, monkeypatch):
     args[args.index("--data.download") + 1] = "true"
     _fails([*LENET, *args], capsys, "Fashion-MNIST not found", "download failed",
            "apt-get install dataset-fashion-mnist")
-    assert not list((tmp_path / "logs").glob("*/version_*"))
+    assert not list((tmp_path / "logs").glob("**/version_*"))
 
 
 def test_data_dir_not_writable(fast_args, tmp_path, capsys, monkeypatch):
@@ -108,7 +108,7 @@ def test_damaged_dataset_file(fast_args, tmp_path, capsys, damage, expected):
 @pytest.fixture
 def lenet_checkpoint(fast_args, tmp_path):
     assert run([*LENET, *fast_args, "--test_after_fit", "false"]) == 0
-    return tmp_path / "logs" / "lenet" / "version_0" / "checkpoints" / "last.ckpt"
+    return tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt"
 
 
 def test_checkpoint_problems(fast_args, tmp_path, capsys, lenet_checkpoint):
@@ -129,7 +129,7 @@ def test_ckpt_path_last_finds_the_newest_run(fast_args, tmp_path, lenet_checkpoi
     assert run([*LENET, *fast_args, *resume]) == 0
     import torch
 
-    resumed = tmp_path / "logs" / "lenet" / "version_1" / "checkpoints" / "last.ckpt"
+    resumed = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_1" / "checkpoints" / "last.ckpt"
     assert torch.load(resumed, weights_only=False)["epoch"] == 1  # continued from epoch 0's checkpoint
 
 

@@ -62,13 +62,13 @@ def test_torchrun_two_nodes_train_as_one_world(two_node_run):
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in node1
     assert "epoch 1: val acc" in node0 and "test acc" in node0
     assert "epoch 1: val acc" not in node1  # the per-epoch line is printed by global rank 0 only
-    run = logs / "lenet" / "version_0"
+    run = logs / "lenet" / "ddp-2x1-cpu" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
 
 
 def test_tensorboard_server_serves_val_acc_per_epoch(two_node_run):
     _, logs = two_node_run
-    run = logs / "lenet" / "version_0"
+    run = logs / "lenet" / "ddp-2x1-cpu" / "version_0"
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1",
                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -69,6 +69,6 @@ def test_weights_only_false_and_urls_are_refused(fast_args, capsys):
 
 def test_a_real_checkpoint_loads_with_the_safe_unpickler(fast_args, tmp_path):
     assert run(["fit", *LENET, *fast_args, "--test_after_fit", "false"]) == 0
-    last = tmp_path / "logs" / "lenet" / "version_0" / "checkpoints" / "last.ckpt"
+    last = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["epoch"] == 0
     assert run(["test", *LENET, *fast_args, "--ckpt_path", str(last)]) == 0

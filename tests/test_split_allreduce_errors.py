@@ -91,7 +91,7 @@ def test_overlay_config_runs_through_the_cli(fast_args, tmp_path):
     cli = main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml",
                 *fast_args])
     assert isinstance(cli.trainer.strategy, SplitAllreduceStrategy)
-    run = tmp_path / "logs" / "lenet" / "version_0"
+    run = tmp_path / "logs" / "lenet" / "split_allreduce-1x2-cpu" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert "SplitAllreduceStrategy" in (run / "config.yaml").read_text()
     assert 0.0 <= cli.trainer.callback_metrics["test/acc"].item() <= 1.0

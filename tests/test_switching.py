@@ -77,7 +77,7 @@ def test_linear_lr_scaling_follows_the_global_batch(fast_args, tmp_path):
                 "--model.init_args.warmup_epochs", "0", "--model.init_args.base_batch_size", "32",
                 "--model.init_args.lr", "0.1", "--data.batch_size", "64", "--test_after_fit", "false"])
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.2)  # 0.1 * 64 / 32
-    hparams = (tmp_path / "logs" / "lenet" / "version_0" / "hparams.yaml").read_text()
+    hparams = (tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "hparams.yaml").read_text()
     assert "lr_scaled: 0.2" in hparams and "base_batch_size: 32" in hparams
 
 

@@ -161,10 +161,6 @@ class ImageClassifier(pl.LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test", self.test_acc)
 
-    def on_validation_epoch_end(self) -> None:
-        if not self.trainer.sanity_checking:
-            self.log("hp_metric", self.val_acc.compute(), sync_dist=False)
-
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Returns predicted class ids (N,) int64."""
         return self(batch[0]).argmax(dim=1)

@@ -1,0 +1,89 @@
+"""Runs a user can compare in TensorBoard: named by strategy, HPARAMS that tell them apart, no surprising flags."""
+
+import lightning.pytorch as pl
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from src.cli import main, run
+from src.run_logger import run_tag
+from src.strategies import SplitAllreduceStrategy
+
+LENET = ["--config", "configs/lenet.yaml"]
+SPLIT = ["--config", "configs/strategy/split_allreduce.yaml"]
+
+
+def _hparams(run_dir) -> tuple[dict, list[str], EventAccumulator]:
+    """(hyperparameters of the run's session, names of its HPARAMS metrics, its events)."""
+    ea = EventAccumulator(str(run_dir))
+    ea.Reload()
+    hparams, metrics = {}, []
+    for content in ea.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("session_start_info"):
+            for key, value in data.session_start_info.hparams.items():
+                hparams[key] = value.string_value or value.number_value or value.bool_value
+        if data.HasField("experiment"):
+            metrics += [m.name.tag for m in data.experiment.metric_infos]
+    return hparams, metrics, ea
+
+
+def test_runs_are_named_by_strategy_and_their_hparams_compare(fast_args, tmp_path):
+    assert run(["fit", *LENET, *fast_args]) == 0
+    assert run(["fit", *LENET, *SPLIT, *fast_args]) == 0
+    logs = tmp_path / "logs" / "lenet"
+    assert sorted(p.name for p in logs.iterdir()) == ["single-1x1-cpu", "split_allreduce-1x2-cpu"]
+    runs = (("single-1x1-cpu", "single", 1), ("split_allreduce-1x2-cpu", "split_allreduce", 2))
+    for name, strategy, replicas in runs:
+        hparams, metrics, ea = _hparams(logs / name / "version_0")
+        assert hparams["run/strategy"] == strategy and hparams["run/replicas_per_process"] == replicas
+        assert hparams["run/world_size"] == 1 and hparams["run/global_batch"] == 64
+        assert hparams["run/seed"] == 42 and "run/torch" in hparams and "run/precision" in hparams
+        assert not any(key.startswith("_") for key in hparams)  # no LightningCLI internals
+        assert set(metrics) == {"hp/val_acc_best", "hp/val_acc_final", "hp/test_acc", "hp/epoch_s_median",
+                                "hp/images_per_s_median"}
+        tags = set(ea.Tags()["scalars"])
+        assert "hp_metric" not in tags
+        for metric in metrics:  # every metric of the table has a real value (test_after_fit ran the test set)
+            assert 0.0 <= ea.Scalars(metric)[-1].value and ea.Scalars(metric)[-1].value != -1, metric
+    assert _hparams(logs / "split_allreduce-1x2-cpu" / "version_0")[0]["run/allreduce"] == "ring"
+
+
+def test_ddp_and_ours_across_layouts_get_different_names():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    ddp = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="spawn"), logger=False)
+    ours = pl.Trainer(accelerator="cpu", strategy=SplitAllreduceStrategy(devices=["cpu", "cpu"]), logger=False)
+    single = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert [run_tag(t) for t in (ddp, ours, single)] == ["ddp-2x1-cpu", "split_allreduce-1x2-cpu", "single-1x1-cpu"]
+
+
+def test_default_root_dir_moves_the_runs_and_an_explicit_save_dir_wins(tiny_data_dir, tmp_path):
+    from tests.helpers.cli_args import data_args, trainer_args
+
+    quick = [*data_args(tiny_data_dir), *trainer_args(train_batches=2), "--test_after_fit", "false"]
+    assert run(["fit", *LENET, *quick, "--trainer.default_root_dir", str(tmp_path / "mine")]) == 0
+    assert (tmp_path / "mine" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert run(["fit", *LENET, *quick, "--trainer.default_root_dir", str(tmp_path / "mine"),
+                "--trainer.logger.init_args.save_dir", str(tmp_path / "explicit")]) == 0
+    assert (tmp_path / "explicit" / "lenet" / "single-1x1-cpu" / "version_0").is_dir()
+
+
+def test_evaluation_runs_are_kept_apart_and_need_a_checkpoint(fast_args, tmp_path, capsys):
+    assert run(["fit", *LENET, *SPLIT, *fast_args, "--test_after_fit", "false"]) == 0
+    capsys.readouterr()
+    assert run(["validate", *LENET, *fast_args]) == 2
+    err = capsys.readouterr().err
+    assert "validate without --ckpt_path would use untrained weights" in err and "\n(add --debug" in err
+    cli = main(["test", *LENET, *fast_args, "--ckpt_path", "last"])  # the newest last.ckpt, found in any run folder
+    assert 0.0 <= cli.trainer.callback_metrics["test/acc"].item() <= 1.0
+    logs = tmp_path / "logs" / "lenet"
+    assert (logs / "test" / "single-1x1-cpu" / "version_0").is_dir()
+    assert sorted(p.name for p in logs.iterdir()) == ["split_allreduce-1x2-cpu", "test"]
+
+
+@pytest.mark.parametrize("flag", ["--optimizer", "--lr_scheduler"])
+def test_the_optimizer_is_set_in_one_place(flag, fast_args, capsys):
+    assert run(["fit", *LENET, *fast_args, flag, "Adam"]) == 2
+    err = capsys.readouterr().err
+    assert f"there is no {flag} option" in err and "model.init_args.optimizer" in err
