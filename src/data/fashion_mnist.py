@@ -175,7 +175,7 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         images, labels = self.splits[split]
         sampler = GlobalBatchSampler(len(images), global_batch, shuffle=train, drop_last=False,
                                      seed=self.shuffle_seed, rank=rank, world_size=world_size)
-        return TensorBatchLoader(images, labels, sampler)
+        return TensorBatchLoader(images, labels, sampler, with_index=not train)
 
     def train_dataloader(self) -> TensorBatchLoader:
         loader = self._loader("train", self.batch_size, train=True)
@@ -207,16 +207,14 @@ class FashionMNISTDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> TensorBatchLoader:
         return self._loader("test", self.eval_batch_size, train=False)
 
-    def on_before_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
-        """(x (B, 28, 28) uint8, y (B,) int64) -> (x (B, 1, 28, 28) float32 normalised, y).
-
-        Runs once on the whole global batch before any split, so every strategy sees the same inputs.
-        """
-        x, y = batch
+    def on_before_batch_transfer(self, batch: tuple[Tensor, ...], dataloader_idx: int) -> tuple[Tensor, ...]:
+        """(x (B, 28, 28) uint8, y (B,) int64[, indices (B,) int64]) -> (x (B, 1, 28, 28) float32 normalised, y
+        [, indices]). Evaluation batches carry their dataset indices (see `TensorBatchLoader.with_index`)."""
+        x, y, *rest = batch
         x = x.unsqueeze(1).float().div_(255.0)
         if self.augment and self.trainer is not None and self.trainer.training:
             x = random_crop_flip(x)
-        return x.sub_(MEAN).div_(STD), y
+        return (x.sub_(MEAN).div_(STD), y, *rest)
 
 
 def random_crop_flip(x: Tensor, pad: int = 4) -> Tensor:

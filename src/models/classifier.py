@@ -7,11 +7,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from src.lightning_compat import add_logged_hparam, attached_trainer
 from src.models import LeNet, ResNet18, init_weights
-from src.models.metrics import MeanLoss
+from src.models.metrics import MeanLoss, Misclassified
 
 
 class ImageClassifier(pl.LightningModule):
@@ -74,6 +74,10 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss = MeanLoss()
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        # per-class results, read and reset by src.class_report.ClassReport at the end of each evaluation
+        self.val_confmat = MulticlassConfusionMatrix(num_classes)
+        self.test_confmat = MulticlassConfusionMatrix(num_classes)
+        self.test_misclassified = Misclassified(limit=32)
 
     def build_net(self, num_classes: int) -> nn.Module:
         """Return the network: x (N, 1, 28, 28) float32 -> logits (N, num_classes)."""
@@ -148,18 +152,32 @@ class ImageClassifier(pl.LightningModule):
         self.train_acc.reset()
         self.train_loss.reset()
 
-    def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str, metric: MulticlassAccuracy) -> None:
-        x, y = batch
+    def _eval_step(self, batch: tuple[Tensor, ...], stage: str, metric: MulticlassAccuracy,
+                   confmat: MulticlassConfusionMatrix, misclassified: Misclassified | None = None) -> None:
+        x, y = batch[0], batch[1]
         logits = self(x)
         metric.update(logits, y)
+        preds = logits.argmax(dim=1)
+        confmat.update(preds, y)
+        if misclassified is not None and len(batch) > 2:
+            misclassified.update(batch[2], preds, y)
         self.log(f"{stage}/loss", self.loss_fn(logits, y), prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
         self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=len(y))
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "val", self.val_acc)
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+        """Accuracy, loss and confusion matrix of (x (B, 1, 28, 28) float32, y (B,) int64[, indices (B,)])."""
+        self._eval_step(batch, "val", self.val_acc, self.val_confmat)
 
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "test", self.test_acc)
+    def test_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+        """As validation_step, and the first misclassified samples by dataset index (needs the indices)."""
+        self._eval_step(batch, "test", self.test_acc, self.test_confmat, self.test_misclassified)
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_confmat.reset()
+
+    def on_test_epoch_start(self) -> None:
+        self.test_confmat.reset()
+        self.test_misclassified.reset()
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Returns predicted class ids (N,) int64."""

@@ -1,8 +1,9 @@
-"""The epoch's mean training loss as a torchmetrics `Metric` (mergeable across replicas, synced under DDP)."""
+"""torchmetrics `Metric`s of our own, mergeable across replicas and synced under DDP: epoch loss, misclassified."""
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
 
 
 class MeanLoss(Metric):
@@ -28,3 +29,43 @@ class MeanLoss(Metric):
     def compute(self) -> Tensor:
         """() float64: total / count (NaN when empty)."""
         return self.total / self.count
+
+
+class Misclassified(Metric):
+    """The first `limit` misclassified samples by dataset index, mergeable across replicas and processes.
+
+    Each update keeps only its misclassified samples, and each metric object at most `limit` of them (the
+    lowest indices), so memory stays bounded; since every copy keeps its own lowest `limit`, the union over
+    replicas and ranks (merged or gathered) still holds the overall lowest `limit`.
+
+    Args:
+        limit: How many to keep (32).
+    """
+
+    full_state_update = False
+
+    def __init__(self, limit: int = 32) -> None:
+        super().__init__()
+        self.limit = limit
+        for name in ("index", "pred", "target"):
+            self.add_state(name, [], dist_reduce_fx="cat")
+
+    def update(self, index: Tensor, pred: Tensor, target: Tensor) -> None:
+        """Add a batch: dataset indices (B,) int64, predicted and true classes (B,) int64."""
+        wrong = pred != target
+        self.index.append(index[wrong].long())
+        self.pred.append(pred[wrong].long())
+        self.target.append(target[wrong].long())
+        if sum(len(t) for t in self.index) > self.limit:
+            index, pred, target = self._lowest()
+            self.index, self.pred, self.target = [index], [pred], [target]
+
+    def compute(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(index, pred, target), each (n,) int64 with n <= limit, in dataset order."""
+        return self._lowest()
+
+    def _lowest(self) -> tuple[Tensor, Tensor, Tensor]:
+        index, pred, target = (dim_zero_cat(s) if len(s) else torch.empty(0, dtype=torch.long)
+                               for s in (self.index, self.pred, self.target))
+        order = index.argsort()[: self.limit]
+        return index[order], pred[order], target[order]

@@ -25,10 +25,14 @@ def clone_replica(replica0: nn.Module, device: torch.device) -> nn.Module:
 
     d2l.ai, "Training on Multiple GPUs": `get_params` copies the parameters to each device once. A
     LightningModule's pickling state drops its trainer reference, so the copy starts detached; the caller
-    attaches the trainer so that `self.log` in the copy reaches the same result collection.
+    attaches the trainer so that `self.log` in the copy reaches the same result collection. The copy's
+    torchmetrics objects start empty: what they accumulate is merged into replica 0's after each step.
     """
     replica = copy.deepcopy(replica0).to(device)
     forget_metric_attributes(replica)
+    for metric in replica.modules():
+        if isinstance(metric, Metric):
+            metric.reset()  # replica 0's metrics may hold states of an earlier stage; they are merged into it
     return replica
 
 
@@ -50,8 +54,7 @@ def merge_metrics_(pairs: list[tuple[Metric, Metric]]) -> None:
     for target, source in pairs:
         if source.update_count == 0:
             continue
-        device = next(iter(target.metric_state.values()), torch.empty(0)).device
-        target.merge_state(move_data_to_device(source.metric_state, device))
+        target.merge_state(move_data_to_device(source.metric_state, target.device))
         forget_computed_value(target)
         source.reset()
 
