@@ -69,22 +69,23 @@ class TensorBatchLoader:
         images: (N, 28, 28) uint8.
         labels: (N,) int64.
         sampler: Yields the index tensor of each batch.
+        with_index: Yield (images, labels, index) with index (B,) int64, the samples' positions (for predict).
     """
 
-    def __init__(self, images: Tensor, labels: Tensor, sampler: GlobalBatchSampler) -> None:
-        self.images, self.labels, self.sampler = images, labels, sampler
+    def __init__(self, images: Tensor, labels: Tensor, sampler: GlobalBatchSampler, with_index: bool = False) -> None:
+        self.images, self.labels, self.sampler, self.with_index = images, labels, sampler, with_index
         self.batch_sampler = None  # as a DataLoader with batch_size=None: the sampler yields whole batches
         self._yielded = 0
 
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         self._yielded = self.sampler.start_batch
         for idx in self.sampler:
             self._yielded += 1
             idx = idx.to(self.images.device, non_blocking=True)  # no-op unless the data lives on a GPU
-            yield self.images[idx], self.labels[idx]
+            yield (self.images[idx], self.labels[idx], idx) if self.with_index else (self.images[idx], self.labels[idx])
 
     def state_dict(self) -> dict:
         """Epoch and number of batches of it already handed out."""
