@@ -177,3 +177,27 @@ def test_a_header_over_the_limit_is_refused(tmp_path):
     (tmp_path / "big.png").write_bytes(_png_claiming(5000, 4000))  # 20 Mpx: under Pillow's own limit, over ours
     with pytest.raises(ImageError, match=r"big.png is refused: its header claims 5000 x 4000 = 20,000,000 pixels"):
         scan_folder(tmp_path)
+
+
+@pytest.mark.slow  # starts two DDP processes
+def test_ddp_predict_writes_one_csv_equal_to_one_device(trained, tmp_path):
+    folder = tmp_path / "images"
+    _write_images(folder)
+    for name in ("f_more.png", "g_more.png"):  # 7 images at batch 4: the last batch splits 2 + 1 over the ranks
+        Image.new("RGB", (30, 40), (250, 250, 250)).save(folder / name)
+    common = ["predict", "--config", str(trained / "config.yaml"), "--ckpt_path",
+              str(trained / "checkpoints" / "last.ckpt"), "--data.predict_dir", str(folder),
+              "--data.eval_batch_size", "4"]
+    assert run([*common, "--trainer.logger.init_args.save_dir", str(tmp_path / "one")]) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
+    proc = subprocess.run([sys.executable, "-m", "src.cli", *common, "--config", "configs/strategy/ddp_cpu.yaml",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path / "ddp")],
+                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = _rows(tmp_path / "one" / "lenet" / "version_0" / "predictions.csv")
+    ddp = _rows(tmp_path / "ddp" / "lenet" / "version_0" / "predictions.csv")
+    assert len(one) == 7 and [r["file"] for r in ddp] == [r["file"] for r in one]
+    for a, b in zip(one, ddp):
+        assert [a[k] for k in ("predicted", "top2", "top3")] == [b[k] for k in ("predicted", "top2", "top3")]
+        assert float(a["top1_prob"]) == pytest.approx(float(b["top1_prob"]), abs=1e-5)
