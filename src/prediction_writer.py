@@ -84,8 +84,7 @@ class PredictionWriter(BasePredictionWriter):
         k = min(3, probs.shape[1])
         top_p, top_c = probs.float().topk(k, dim=1)
         top_p, top_c = top_p.cpu().tolist(), top_c.cpu().tolist()
-        for i, (ps, cs, y) in enumerate(zip(top_p, top_c, target.cpu().tolist())):
-            idx = int(index[i])
+        for ps, cs, y, idx in zip(top_p, top_c, target.cpu().tolist(), index.cpu().tolist()):
             row = [self._names[idx] if self._names is not None else idx]
             for c, p in zip(cs, ps):
                 row += [CLASSES[c] if c < len(CLASSES) else str(c), f"{p:.6f}"]
