@@ -17,6 +17,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.launch_checks import check_before_run, check_checkpoint, resolve_last_checkpoint
 from src.models.classifier import ImageClassifier
+from src.prediction_writer import PredictionWriter
 from src.run_logger import RunLogger, run_hparams, run_tag
 
 
@@ -64,7 +65,18 @@ class CLI(LightningCLI):
             config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], _experiment_dir(logger))
             check_checkpoint(config["ckpt_path"], self.model)
 
-    before_fit = before_validate = before_test = before_predict = _check
+    before_fit = before_validate = before_test = _check
+
+    def before_predict(self) -> None:
+        """Every image of `data.predict_dir`, then the launch checks (so a refused file stops the run before any
+        prediction is made); predictions go to predictions.csv through a `PredictionWriter` (one is added
+        when the config has none, e.g. the config.yaml of an older run) instead of being kept in memory."""
+        if getattr(self.datamodule, "predict_dir", None) is not None:
+            self.datamodule.check_predict_files()  # first: a refused image is the first thing to fix
+        self._check()
+        if not any(isinstance(c, PredictionWriter) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(PredictionWriter())
+        self.config_init[self.subcommand]["return_predictions"] = False
 
     def after_fit(self) -> None:
         if not self.config.fit.get("test_after_fit"):

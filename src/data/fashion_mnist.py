@@ -8,9 +8,11 @@ from typing import Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torchvision.datasets import FashionMNIST
 
+from src.data.images import ImageFolderLoader, scan_folder
 from src.data.integrity import check_idx_file, check_writable
 from src.data.loader import GlobalBatchSampler, TensorBatchLoader
 from src.sharding import check_global_batch
@@ -119,11 +121,17 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         download: Allow torchvision's download when no local copy is found.
         data_on_device: Keep the uint8 images (47 MB) on the training device and cut and convert batches
             there, saving a host-to-device copy per step: "auto" does so on CUDA, true/false force it.
+        predict_dir: Folder of PNG/JPEG images for `predict` (see docs/predict.md): each is converted to a
+            28x28 grayscale image (`src.data.images`), checked up front and decoded one batch of
+            `eval_batch_size` at a time; Fashion-MNIST itself is then not needed. None: `predict` runs on the
+            10,000 test images. Batches are (x, y, index) in both cases: y is -1 for folder images, and index
+            is the position in `predict_files` (or in the test split).
     """
 
     def __init__(self, data_dir: str = "data", batch_size: int = 256, eval_batch_size: int | None = None,
                  val_size: int = 5000, split_seed: int = 42, shuffle_seed: int = 0, augment: bool = False,
-                 download: bool = True, data_on_device: bool | Literal["auto"] = "auto") -> None:
+                 download: bool = True, data_on_device: bool | Literal["auto"] = "auto",
+                 predict_dir: str | None = None) -> None:
         super().__init__()
         if batch_size <= 0:
             raise ValueError(f"data.batch_size must be a positive integer, got {batch_size}")
@@ -136,14 +144,35 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.val_size, self.split_seed, self.shuffle_seed = val_size, split_seed, shuffle_seed
         self.augment, self.download, self.data_on_device = augment, download, data_on_device
+        self.predict_dir = predict_dir
+        self.predict_files: list[Path] | None = None  # the images of predict_dir, once checked
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
         self._train_loader: TensorBatchLoader | None = None
         self._resume_state: dict | None = None
 
+    def check_predict_files(self) -> list[Path]:
+        """Scan and check the images of `predict_dir` (once; the CLI calls this before a predict run starts).
+
+        Raises:
+            ImageError: A refused file, or no images (see `src.data.images.scan_folder`).
+        """
+        if self.predict_files is None:
+            self.predict_files = scan_folder(self.predict_dir)
+        return self.predict_files
+
+    def _predicting_folder(self) -> bool:
+        trainer = self.trainer
+        return self.predict_dir is not None and trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
+
     def prepare_data(self) -> None:
+        if self._predicting_folder():
+            return
         ensure_raw_files(self.data_dir, debian_dir=DEBIAN_DIR, download=self.download)
 
     def setup(self, stage: str) -> None:
+        if stage == "predict" and self.predict_dir is not None:
+            self.check_predict_files()
+            return
         if self.splits:
             return
         images, labels = load_split(self.data_dir, train=True)
@@ -169,13 +198,15 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
-    def _loader(self, split: str, global_batch: int, train: bool) -> TensorBatchLoader:
+    def _sampler(self, num_samples: int, global_batch: int, train: bool) -> GlobalBatchSampler:
         rank, world_size = self._world()
         check_global_batch("data.batch_size" if train else "data.eval_batch_size", global_batch, world_size)
+        return GlobalBatchSampler(num_samples, global_batch, shuffle=train, drop_last=False,
+                                  seed=self.shuffle_seed, rank=rank, world_size=world_size)
+
+    def _loader(self, split: str, global_batch: int, train: bool, with_index: bool = False) -> TensorBatchLoader:
         images, labels = self.splits[split]
-        sampler = GlobalBatchSampler(len(images), global_batch, shuffle=train, drop_last=False,
-                                     seed=self.shuffle_seed, rank=rank, world_size=world_size)
-        return TensorBatchLoader(images, labels, sampler, with_index=not train)
+        return TensorBatchLoader(images, labels, self._sampler(len(images), global_batch, train), with_index)
 
     def train_dataloader(self) -> TensorBatchLoader:
         loader = self._loader("train", self.batch_size, train=True)
@@ -199,17 +230,25 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         self._resume_state = state.get("train_loader")
 
     def val_dataloader(self) -> TensorBatchLoader:
-        return self._loader("val", self.eval_batch_size, train=False)
+        return self._loader("val", self.eval_batch_size, train=False, with_index=True)
 
     def test_dataloader(self) -> TensorBatchLoader:
-        return self._loader("test", self.eval_batch_size, train=False)
+        return self._loader("test", self.eval_batch_size, train=False, with_index=True)
 
-    def predict_dataloader(self) -> TensorBatchLoader:
-        return self._loader("test", self.eval_batch_size, train=False)
+    def predict_dataloader(self) -> TensorBatchLoader | ImageFolderLoader:
+        """Batches (x uint8 (B, 28, 28), y int64 (B,), index int64 (B,)) of `predict_dir`'s images (y = -1,
+        decoded per batch) or, without `predict_dir`, of the test split (index = position in it)."""
+        if self.predict_dir is None:
+            return self._loader("test", self.eval_batch_size, train=False, with_index=True)
+        files = self.check_predict_files()
+        return ImageFolderLoader(files, self._sampler(len(files), self.eval_batch_size, train=False))
 
     def on_before_batch_transfer(self, batch: tuple[Tensor, ...], dataloader_idx: int) -> tuple[Tensor, ...]:
-        """(x (B, 28, 28) uint8, y (B,) int64[, indices (B,) int64]) -> (x (B, 1, 28, 28) float32 normalised, y
-        [, indices]). Evaluation batches carry their dataset indices (see `TensorBatchLoader.with_index`)."""
+        """(x (B, 28, 28) uint8, y (B,) int64, *rest) -> (x (B, 1, 28, 28) float32 normalised, y, *rest).
+
+        `rest` passes through unchanged: evaluation and predict batches carry their dataset indices (see
+        `TensorBatchLoader.with_index`). Under `split_allreduce` this runs once per shard.
+        """
         x, y, *rest = batch
         x = x.unsqueeze(1).float().div_(255.0)
         if self.augment and self.trainer is not None and self.trainer.training:

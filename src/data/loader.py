@@ -69,8 +69,8 @@ class TensorBatchLoader:
         images: (N, 28, 28) uint8.
         labels: (N,) int64.
         sampler: Yields the index tensor of each batch.
-        with_index: Yield (images, labels, indices) with the dataset indices (B,) int64 as a third element,
-            for evaluation code that needs to know which samples it saw.
+        with_index: Yield (images, labels, indices) with the dataset indices (B,) int64 as a third element, for
+            evaluation and prediction code that needs to know which samples it saw.
     """
 
     def __init__(self, images: Tensor, labels: Tensor, sampler: GlobalBatchSampler, with_index: bool = False) -> None:
@@ -81,7 +81,7 @@ class TensorBatchLoader:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         self._yielded = self.sampler.start_batch
         for idx in self.sampler:
             self._yielded += 1

@@ -179,9 +179,19 @@ class ImageClassifier(pl.LightningModule):
         self.test_confmat.reset()
         self.test_misclassified.reset()
 
-    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Returns predicted class ids (N,) int64."""
-        return self(batch[0]).argmax(dim=1)
+    def predict_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:
+        """Class probabilities of a batch (x (B, 1, 28, 28) float32, y (B,) int64[, index (B,) int64]).
+
+        Returns:
+            {"probs": softmax of the logits, (B, num_classes) float32 (computed in float32 whatever the
+            precision), "target": y (B,) int64 (-1 for unlabelled images), "index": (B,) int64, the samples'
+            positions in the predict set (batch_idx * B + arange(B) when the batch carries none)}.
+            `src.prediction_writer.PredictionWriter` writes these as rows of predictions.csv.
+        """
+        x, y = batch[0], batch[1]
+        index = batch[2] if len(batch) > 2 else batch_idx * len(y) + torch.arange(len(y), device=y.device)
+        probs = torch.softmax(self(x).float(), dim=1)
+        return {"probs": probs, "target": y, "index": index}
 
     def scaled_lr(self) -> float:
         """The lr the optimizer starts from: `lr`, times global_batch / base_batch_size when that is set."""
