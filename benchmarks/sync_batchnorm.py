@@ -37,7 +37,8 @@ def run(k: int, sync: bool, steps: int, batch: int, root: str) -> list[float]:
                          sync_batchnorm=sync, max_steps=steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[timer])
-    trainer.fit(ResNet18Classifier(lr=0.05), FashionMNISTDataModule(root, batch_size=batch, download=False))
+    trainer.fit(ResNet18Classifier(lr=0.05), FashionMNISTDataModule(root, batch_size=batch, val_size=100,
+                                                                       download=False))
     return timer.seconds[WARMUP:]
 
 

@@ -42,13 +42,13 @@ def _ours(data_dir, k, sync, batch_size=24, weights=None, steps=4, model_cls=_BN
 
 @pytest.fixture(scope="module")
 def single(tiny_data_dir):
-    """One device, 4 steps of the BN net per global batch size (parameters and running statistics)."""
+    """One device, 4 steps of the BN net per global batch size: (state_dict, the trainer's callback_metrics)."""
     cache = {}
 
     def get(batch_size):
         if batch_size not in cache:
-            _, _, snap = fit(tiny_data_dir, model_cls=_BNNet, steps=4, batch_size=batch_size)
-            cache[batch_size] = snap.states[0]
+            _, trainer, snap = fit(tiny_data_dir, model_cls=_BNNet, steps=4, batch_size=batch_size)
+            cache[batch_size] = snap.states[0], dict(trainer.callback_metrics)
         return cache[batch_size]
     return get
 
@@ -59,8 +59,12 @@ def test_sync_batchnorm_equals_one_device(tiny_data_dir, single, k, batch_size, 
     if weights == [4, 4, 0.1]:
         assert shard_sizes(batch_size, weights) == [4, 4, 0]  # an empty shard stays out of the rendezvous
     _, trainer, snap = _ours(tiny_data_dir, k, True, batch_size, weights)
+    state, metrics = single(batch_size)
     assert trainer.global_step == 4
-    assert _state_diff(snap.states[0], single(batch_size)) <= 1e-9  # parameters and running statistics
+    assert _state_diff(snap.states[0], state) <= 1e-9  # parameters and running statistics
+    # only replica 0 logs; the other replicas' metric states are merged into its own after each step
+    assert trainer.callback_metrics["train/acc"].item() == metrics["train/acc"].item()
+    assert abs(trainer.callback_metrics["train/loss_epoch"].item() - metrics["train/loss_epoch"].item()) <= 1e-9
     assert snap.states[0]["net.4.num_batches_tracked"].item() == 4
     assert_replicas_bitwise_equal(snap, k)
     assert not [t for t in threading.enumerate() if t.name.startswith("replica-")]
@@ -68,7 +72,7 @@ def test_sync_batchnorm_equals_one_device(tiny_data_dir, single, k, batch_size, 
 
 def test_without_sync_batchnorm_ours_differs_from_one_device(tiny_data_dir, single):
     _, _, snap = _ours(tiny_data_dir, 2, False)
-    assert _state_diff(snap.states[0], single(24)) > 1e-4  # per-shard statistics: the comparison above can fail
+    assert _state_diff(snap.states[0], single(24)[0]) > 1e-4  # per-shard statistics: the comparison above can fail
 
 
 def test_resnet18_with_sync_batchnorm_equals_one_device(tiny_data_dir):
