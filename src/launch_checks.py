@@ -9,6 +9,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy
+
+from src.lightning_compat import sync_batchnorm_requested
 
 from src.sharding import check_enough_samples, check_global_batch
 
@@ -45,10 +49,27 @@ def check_replicas(batch_size: int, eval_batch_size: int, strategy: object) -> N
     check_enough_samples("data.eval_batch_size=", eval_batch_size, k)
 
 
+def check_sync_batchnorm(strategy: object, accelerator: object) -> None:
+    """torch's SyncBatchNorm, which Lightning's DDP converts BatchNorm to, runs on GPUs only.
+
+    Without this check a CPU run fails in its first training step with torch's "SyncBatchNorm layers only work
+    with GPU modules", after the processes were started.
+
+    Raises:
+        RuntimeError: For `trainer.sync_batchnorm: true` with DDP on the CPU; the message names the alternative.
+    """
+    if isinstance(strategy, DDPStrategy) and isinstance(accelerator, CPUAccelerator) and \
+            sync_batchnorm_requested(strategy):
+        raise RuntimeError("trainer.sync_batchnorm: true with DDP on the CPU: torch's SyncBatchNorm needs GPUs. "
+                           "For CPU replicas use trainer.strategy: split_allreduce with trainer.sync_batchnorm: true, "
+                           "or set trainer.sync_batchnorm: false")
+
+
 def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
     """Every check above, on the objects the CLI built."""
     check_epochs(trainer.max_epochs)
     check_cluster(trainer.num_nodes, getattr(trainer.strategy, "cluster_environment", None))
+    check_sync_batchnorm(trainer.strategy, trainer.accelerator)
     if hasattr(datamodule, "batch_size") and hasattr(datamodule, "eval_batch_size"):
         check_global_batch("data.batch_size", datamodule.batch_size, trainer.world_size)
         check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, trainer.world_size)

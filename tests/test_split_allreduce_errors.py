@@ -82,11 +82,6 @@ def test_launch_by_slurm_is_refused(monkeypatch):
         SplitAllreduceStrategy(devices=["cpu", "cpu"]).setup_environment()
 
 
-def test_sync_batchnorm_is_refused(tiny_data_dir):
-    with pytest.raises(RuntimeError, match="sync_batchnorm"):
-        fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), sync_batchnorm=True, steps=1)
-
-
 def test_overlay_config_runs_through_the_cli(fast_args, tmp_path):
     cli = main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml",
                 *fast_args])

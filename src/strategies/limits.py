@@ -43,7 +43,8 @@ def check_single_process(num_nodes: int) -> None:
 
 
 def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy") -> None:
-    """Manual optimization, fp16 with a gradient scaler and `sync_batchnorm` are not supported.
+    """Manual optimization, fp16 with a gradient scaler and `sync_batchnorm` with `split_weights: auto` are not
+    supported (the replicas of a synchronised step wait for each other, so their times cannot be told apart).
 
     Raises:
         RuntimeError: Naming the setting and what to use instead.
@@ -54,9 +55,10 @@ def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy
     if isinstance(strategy.precision_plugin, MixedPrecision) and strategy.precision_plugin.scaler is not None:
         raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
                            "bf16-mixed or 32-true")
-    if sync_batchnorm_requested(strategy):
-        raise RuntimeError("sync_batchnorm needs a process group; split_allreduce keeps BatchNorm buffers "
-                           "equal with its sync_buffers option instead. Set trainer.sync_batchnorm: false.")
+    if sync_batchnorm_requested(strategy) and getattr(strategy, "split_weights", None) == "auto":
+        raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
+                           "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "
+                           "BatchNorm layer); give split_weights as numbers or leave them equal")
 
 
 def check_one_optimizer(optimizers: list) -> None:

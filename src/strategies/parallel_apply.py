@@ -19,6 +19,17 @@ def _synced_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, device: torch.device) -> Any:
+    """Move shard k to `device` through replica 0's transfer hooks; replica k > 0 first takes replica 0's
+    train/eval mode per submodule and its running hook name. Returns the shard on the device."""
+    replica0, replica = replicas[0], replicas[k]
+    if k:
+        for source, target in zip(replica0.modules(), replica.modules()):
+            target.training = source.training
+        copy_hook_name(replica0, replica)
+    return transfer_batch(replica0, shard, device)
+
+
 def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], shards: list[Any],
                    sizes: list[int], step: str, args: tuple = (), kwargs: dict | None = None,
                    timed: bool = False) -> tuple[list[Any], list[float]]:
@@ -43,18 +54,13 @@ def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
         shards), else an empty list.
     """
     kwargs = kwargs or {}
-    replica0 = replicas[0]
     outputs: list[Any] = [None] * len(replicas)
     seconds = [0.0] * len(replicas) if timed else []
     for k in [*range(1, len(replicas)), 0]:
         if sizes[k] == 0:
             continue
         replica, device = replicas[k], devices[k]
-        shard = transfer_batch(replica0, shards[k], device)
-        if k:
-            for source, target in zip(replica0.modules(), replica.modules()):
-                target.training = source.training
-            copy_hook_name(replica0, replica)
+        shard = prepare_replica(replicas, k, shards[k], device)
         start = _synced_clock(device) if timed else 0.0
         outputs[k] = getattr(replica, step)(shard, *args, **kwargs)
         if timed:

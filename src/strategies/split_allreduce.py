@@ -9,7 +9,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
-from src.lightning_compat import should_update_logs
+from src.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import check_enough_samples, check_split_weights, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.devices import parse_devices
@@ -20,6 +20,7 @@ from src.strategies.replicate import (check_in_sync, clone_optimizer, clone_repl
                                       copy_hyperparameters_, merge_metrics_, metric_pairs, replica_tensor,
                                       sync_buffers_)
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
+from src.strategies.sync_batchnorm import SyncGroup, convert_, lockstep_apply, revert_
 from src.strategies.single_process import SingleProcessParallelStrategy
 
 
@@ -30,8 +31,9 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     shards, run `training_step` on replica k with shard k on device k, backpropagate sum_k (n_k / N) * loss_k,
     allreduce the gradients over buckets, and step every replica's own optimizer on the same sum. Replica 0 is
     the LightningModule itself: checkpoints hold it alone, as under one device or DDP. Validation and test
-    shards' metric states are merged into replica 0's. `src.callbacks.StrategyMetrics` logs what this
-    strategy measures. How it works and what it guarantees: docs/split_allreduce.md.
+    shards' metric states are merged into replica 0's. `trainer.sync_batchnorm: true` normalises every BatchNorm
+    with the global batch's statistics (src/strategies/sync_batchnorm.py: training steps then run in lockstep on
+    threads). `src.callbacks.StrategyMetrics` logs what this strategy measures. More: docs/split_allreduce.md.
 
     Args:
         devices: One entry per replica, e.g. ["cpu", "cpu"], ["cuda:0", "cuda:1"], ["cuda:0", "cpu"]. Default:
@@ -57,8 +59,8 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     Raises:
         ValueError: Bad devices, algorithm, weights or buffer mode (at construction); a batch smaller
             than the number of replicas (at the step).
-        RuntimeError: Manual optimization, fp16 with a gradient scaler, `sync_batchnorm`, several nodes,
-            or a process started by torchrun/SLURM/MPI as one of several.
+        RuntimeError: Manual optimization, fp16 with a gradient scaler, `sync_batchnorm` with `split_weights:
+            auto`, several nodes, or a process started by torchrun/SLURM/MPI as one of several.
     """
 
     strategy_name = "split_allreduce"
@@ -79,6 +81,7 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         self._replica_optimizers: list[torch.optim.Optimizer] = []
         self._metric_pairs: list = []
         self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
+        self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
         self.steps = 0  # optimizer steps taken
         self.split_fixed_at_step: int | None = None  # when `auto` fixed `split_weights`
 
@@ -121,6 +124,7 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
             replica.trainer = trainer  # so self.log in a replica reaches the trainer's result collection
             self.replicas.append(replica)
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.replicas[1:]]
+        self.sync_group = convert_(self.replicas) if sync_batchnorm_requested(self) and self.num_replicas > 1 else None
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.num_replicas, self.auto_split_steps)
 
@@ -144,10 +148,11 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the overlap hooks and drop the replicas."""
+        """Remove the overlap hooks, make synchronised BatchNorm layers plain again and drop the replicas."""
         if self.exchange is not None:
             self.exchange.remove()
-        self.replicas, self._replica_optimizers, self._metric_pairs = [], [], []
+        revert_(self.replicas)  # checkpoints and later stages see plain BatchNorm
+        self.replicas, self._replica_optimizers, self._metric_pairs, self.sync_group = [], [], [], None
         super().teardown()
 
     # ---- scatter, parallel_apply, gather -----------------------------------------------------------
@@ -174,8 +179,13 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         """Scatter `batch`, run `step` on every replica, merge their metrics; [(n_k, output_k)] by replica."""
         sizes = self.shard_sizes(batch_size_of(batch))
         timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
-        outputs, seconds = parallel_apply(self.replicas, self.parallel_devices, scatter(batch, sizes), sizes,
-                                          step, args, kwargs, timed=timed)
+        shards, context = scatter(batch, sizes), self.precision_plugin.train_step_context
+        if self.sync_group is not None and step == "training_step":  # sync_batchnorm: replicas in lockstep
+            outputs, seconds = lockstep_apply(self.replicas, self.parallel_devices, shards, sizes, step, args, kwargs,
+                                              self.sync_group, context), []
+        else:
+            outputs, seconds = parallel_apply(self.replicas, self.parallel_devices, shards, sizes, step, args, kwargs,
+                                              timed=timed)
         if timed:
             self.auto_split.record(sizes, seconds)
         for pairs in self._metric_pairs:

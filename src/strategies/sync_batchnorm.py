@@ -1,0 +1,261 @@
+"""BatchNorm synchronised across the replicas of one process: every replica normalises with the statistics of
+the whole global batch, as one device would.
+
+The design follows Synchronized-BatchNorm-PyTorch (vacancy, https://github.com/vacancy/Synchronized-BatchNorm-PyTorch),
+the sync BN written for `nn.DataParallel`, and the forward of `torch.nn.SyncBatchNorm` (partial statistics per
+device, combined into global ones). Unlike both, the combination is made of ordinary autograd operations over
+every replica's partial statistics (`.to(device)` and additions), so the strategy's single backward through the
+combined loss gives the exact gradients, with no exchange and no barrier in backward (autograd runs all nodes of
+one device on one thread, so a barrier there would deadlock).
+
+In training, the replicas' `training_step`s run in lockstep (`lockstep_apply`): replica 0 on the calling thread,
+the others on worker threads, and each synchronised BatchNorm layer waits at a `Rendezvous` until all of them
+have put their partial statistics there. Eval mode uses the running statistics and exchanges nothing.
+"""
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from src.strategies.parallel_apply import prepare_replica
+
+RENDEZVOUS_TIMEOUT_S = 300.0  # last resort: a replica that never reaches a layer the others wait at
+
+
+class RendezvousBroken(RuntimeError):
+    """Raised in a replica whose rendezvous was abandoned: another replica failed, or a wait timed out."""
+
+
+class Rendezvous:
+    """Where the replicas of one lockstep step meet at each synchronised BatchNorm layer.
+
+    Every participating replica calls `exchange` once per synchronised layer, in the same order (the replicas are
+    copies of one network); the n-th call of each replica waits (`threading.Barrier`) until all participants made
+    their n-th call and returns all their contributions, in participant order.
+
+    Args:
+        participants: The replica indices taking part (those with a non-empty shard), in order.
+        timeout: Seconds a replica waits at one layer before the rendezvous is given up.
+    """
+
+    def __init__(self, participants: list[int], timeout: float = RENDEZVOUS_TIMEOUT_S) -> None:
+        self.slot_of = {k: i for i, k in enumerate(participants)}
+        self.parties, self.timeout, self.aborted = len(participants), timeout, False
+        self._barrier = threading.Barrier(self.parties)
+        self._lock = threading.Lock()
+        self._calls = [0] * self.parties
+        self._slots: dict[int, list[Any]] = {}
+
+    def exchange(self, replica: int, contribution: Any) -> list[Any]:
+        """Hand in `contribution` for `replica`'s next layer; returns every participant's, participant order.
+
+        Raises:
+            RendezvousBroken: The rendezvous was aborted (another replica failed) or the wait timed out.
+        """
+        i = self.slot_of[replica]
+        n, self._calls[i] = self._calls[i], self._calls[i] + 1
+        with self._lock:
+            slots = self._slots.setdefault(n, [None] * self.parties)
+        slots[i] = contribution
+        try:
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            why = ("another replica failed" if self.aborted else
+                   f"the other replicas did not reach this layer within {self.timeout:.0f} s (a replica hung or took "
+                   "a code path with a different number of BatchNorm calls)")
+            raise RendezvousBroken(f"replica {replica} gave up waiting at a synchronised BatchNorm layer: {why}") \
+                from None
+        return slots
+
+    def abort(self) -> None:
+        """Release every replica waiting now or later with `RendezvousBroken`."""
+        self.aborted = True
+        self._barrier.abort()
+
+
+class SyncGroup:
+    """What the synchronised layers of all replicas share: the rendezvous of the running step, if any."""
+
+    def __init__(self) -> None:
+        self.rendezvous: Rendezvous | None = None
+
+
+class ReplicaSyncBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics are those of the whole global batch over all replicas.
+
+    A mixin: `convert_` swaps a BatchNorm1d/2d/3d's class for a subclass of this and of its own class, so the
+    module keeps its `weight`, `bias`, `running_mean`, `running_var` and `num_batches_tracked` under the same
+    names (state_dict keys do not change) and stays an instance of its BatchNorm class.
+
+    Forward in training, x of shape (n_k, C, *) in any float dtype: replica k computes its shard's count n_k,
+    per-channel mean_k and M2_k = sum (x - mean_k)^2 (C,), in at least float32; after the rendezvous every replica
+    combines all K of them (Chan et al.'s parallel variance): mean = sum n_k mean_k / N, M2 = sum M2_k +
+    n_k (mean_k - mean)^2, biased var = M2 / N, as autograd operations. Output: (x - mean) / sqrt(var + eps)
+    * weight + bias, in x's dtype. Running statistics as torch's BatchNorm on the whole batch: momentum (or the
+    cumulative average when momentum is None), unbiased variance var * N / (N - 1), num_batches_tracked += 1.
+    Outside a lockstep step (or with one participant, or in eval mode) it is the plain BatchNorm.
+    """
+
+    _sync_group: SyncGroup
+    _sync_replica: int
+
+    @torch.compiler.disable  # the rendezvous is Python threading: keep it out of any compiled graph
+    def forward(self, x: Tensor) -> Tensor:
+        """x (n_k, C, *) -> same shape and dtype, normalised with the global batch's statistics in training."""
+        rendezvous = self._sync_group.rendezvous
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if not bn_training or rendezvous is None or rendezvous.parties == 1:
+            return super().forward(x)
+        self._check_input_dim(x)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xs = x.to(dtype)
+        dims = [0, *range(2, x.dim())]
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        n = x.numel() // x.shape[1] if x.shape[1] else 0
+        mean_k = xs.sum(dims) / max(n, 1)
+        m2_k = (xs - mean_k.view(shape)).square().sum(dims)
+        parts = rendezvous.exchange(self._sync_replica, (n, mean_k, m2_k))
+        total = sum(p[0] for p in parts)
+        if total < 2:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)} "
+                             f"over all replicas ({total} values per channel)")
+        means = [p[1].to(x.device) for p in parts]
+        mean = sum(p[0] * m for p, m in zip(parts, means)) / total
+        m2 = sum(p[2].to(x.device) + p[0] * (m - mean).square() for p, m in zip(parts, means))
+        var = m2 / total
+        self._update_running_stats(mean.detach(), var.detach(), total)
+        y = (xs - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y.to(x.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: Tensor, var: Tensor, total: int) -> None:
+        if not (self.training and self.track_running_stats):
+            return
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        if self.running_mean is not None:
+            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+            unbiased = var * (total / (total - 1))
+            self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+
+
+_SYNC_CLASSES: dict[type, type] = {}
+
+
+def _sync_class(cls: type) -> type:
+    if cls not in _SYNC_CLASSES:
+        _SYNC_CLASSES[cls] = type(f"ReplicaSync{cls.__name__}", (ReplicaSyncBatchNorm, cls), {"_plain_class": cls})
+    return _SYNC_CLASSES[cls]
+
+
+def convert_(replicas: list[nn.Module]) -> SyncGroup:
+    """Make every nn.BatchNorm1d/2d/3d of every replica a `ReplicaSyncBatchNorm` sharing one `SyncGroup`.
+
+    In place: the modules keep their parameters, buffers and names (state_dict keys unchanged).
+
+    Args:
+        replicas: The K replicas, replica 0 first; replica k's layers take part as replica k.
+
+    Returns:
+        The group; `lockstep_apply` opens a rendezvous in it for each training step.
+    """
+    group = SyncGroup()
+    for k, replica in enumerate(replicas):
+        for module in replica.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and type(module) in (
+                    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+                module.__class__ = _sync_class(type(module))
+                module._sync_group, module._sync_replica = group, k
+    return group
+
+
+def revert_(replicas: list[nn.Module]) -> None:
+    """Undo `convert_`: every synchronised layer becomes its plain BatchNorm class again (in place)."""
+    for replica in replicas:
+        for module in replica.modules():
+            if isinstance(module, ReplicaSyncBatchNorm):
+                module.__class__ = module._plain_class
+                del module._sync_group, module._sync_replica
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def _silenced(replica: "pl.LightningModule") -> Iterator[None]:
+    """`self.log` and `self.log_dict` do nothing inside (worker threads must not touch the result collection)."""
+    replica.log = replica.log_dict = _no_log
+    try:
+        yield
+    finally:
+        del replica.log, replica.log_dict
+
+
+def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], shards: list[Any],
+                   sizes: list[int], step: str, args: tuple, kwargs: dict, group: SyncGroup,
+                   step_context: Callable[[], AbstractContextManager]) -> list[Any]:
+    """`parallel_apply` with the replicas running concurrently, meeting at each synchronised BatchNorm layer.
+
+    The first replica with a non-empty shard (replica 0 unless its shard is empty) runs on this thread and alone
+    may `self.log`; the others run on worker threads with `log`/`log_dict` made no-ops for the step, and re-enter
+    this thread's grad mode and `step_context` (autocast is thread-local), as `torch.nn.parallel.parallel_apply`
+    does. Replicas with an empty shard do not run and do not take part in the rendezvous. Batch transfers and
+    hook names are set up on this thread first.
+
+    Args:
+        replicas, devices, shards, sizes, step, args, kwargs: As for `parallel_apply`.
+        group: The `SyncGroup` from `convert_`.
+        step_context: The precision plugin's `train_step_context`.
+
+    Returns:
+        The outputs in replica order (None for empty shards).
+
+    Raises:
+        Exception: The error of the first failing replica (in replica order), after every thread has ended:
+            the others are released from the rendezvous (`Barrier.abort`) instead of waiting for it.
+    """
+    participants = [k for k, n in enumerate(sizes) if n]
+    moved = {k: prepare_replica(replicas, k, shards[k], devices[k]) for k in participants}
+    outputs: list[Any] = [None] * len(replicas)
+    errors: dict[int, BaseException] = {}
+    rendezvous = group.rendezvous = Rendezvous(participants)
+    grad_enabled = torch.is_grad_enabled()
+
+    def work(k: int) -> None:
+        try:
+            with torch.set_grad_enabled(grad_enabled), step_context(), _silenced(replicas[k]):
+                outputs[k] = getattr(replicas[k], step)(moved[k], *args, **kwargs)
+        except BaseException as err:  # handed to the calling thread, which re-raises it
+            errors[k] = err
+            rendezvous.abort()
+
+    threads = [threading.Thread(target=work, args=(k,), name=f"replica-{k}", daemon=True) for k in participants[1:]]
+    first = participants[0]
+    try:
+        for thread in threads:
+            thread.start()
+        outputs[first] = getattr(replicas[first], step)(moved[first], *args, **kwargs)
+    except BaseException as err:  # also a failed thread start: release the replicas already waiting
+        errors[first] = err
+        rendezvous.abort()
+    finally:
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join()
+        group.rendezvous = None
+    if errors:
+        original = [errors[k] for k in sorted(errors) if not isinstance(errors[k], RendezvousBroken)]
+        raise (original or [errors[min(errors)]])[0]
+    return outputs
