@@ -16,6 +16,7 @@ from src.callbacks import EpochReport
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.launch_checks import check_before_run, check_checkpoint, resolve_last_checkpoint
+from src.lightning_compat import give_lost_rank_reports_time
 from src.models.classifier import ImageClassifier
 from src.prediction_writer import PredictionWriter
 from src.run_logger import RunLogger, run_hparams, run_tag
@@ -125,6 +126,7 @@ def run(argv: list[str] | None = None) -> int:
         0 on success, 2 after an error (printed to stderr).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    give_lost_rank_reports_time()
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     saved_env = os.environ.get(DEBUG_ENV)
     if "--debug" in argv:

@@ -3,6 +3,7 @@
 Each function says why no public API serves. If a Lightning upgrade breaks one, this is the file to fix.
 """
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -90,6 +91,23 @@ def file_writer(summary_writer: Any) -> Any:
     """The event-file writer of a torch SummaryWriter, created if needed, to add a prepared summary protobuf
     (the HPARAMS plugin's); SummaryWriter has no public method for that, and Lightning uses this one too."""
     return summary_writer._get_file_writer()
+
+
+def give_lost_rank_reports_time(seconds: int = 30) -> None:
+    """Make the DDP launcher's child-process observer wait `seconds` between checks instead of 5.
+
+    When a child rank dies, Lightning's observer SIGKILLs the launching process (rank 0) at its next check, 0-5 s
+    later. Rank 0's own collective usually fails within a step and `src.errors.describe_lost_rank` reports which
+    rank was lost, but a check that falls inside that window kills rank 0 before it can say so. The observer
+    stays as the backstop for ranks that hang; there is no public setting for its period.
+    """
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    def launch(child_processes: list) -> None:
+        _ChildProcessObserver(main_pid=os.getpid(), child_processes=child_processes, sleep_period=seconds).start()
+
+    subprocess_script._launch_process_observer = launch
 
 
 def sync_batchnorm_requested(strategy: "pl.strategies.Strategy") -> bool:

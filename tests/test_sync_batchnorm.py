@@ -123,3 +123,12 @@ def test_ddp_on_cpu_with_sync_batchnorm_is_refused(tiny_data_dir, tmp_path, caps
 def test_auto_split_with_sync_batchnorm_is_refused(tiny_data_dir):
     with pytest.raises(RuntimeError, match="split_weights: auto"):
         _ours(tiny_data_dir, 2, True, weights="auto", steps=1)
+
+
+@pytest.mark.slow  # starts two DDP processes
+def test_without_sync_ours_equals_ddp_on_a_batchnorm_net(tiny_data_dir):
+    from tests.helpers.runs import ddp
+
+    ours, _, _ = _ours(tiny_data_dir, 2, sync=False)
+    theirs, _, _ = fit(tiny_data_dir, ddp(), model_cls=_BNNet, steps=4, batch_size=24, devices=2)
+    assert _state_diff(ours.state_dict(), theirs.state_dict()) <= 1e-9  # both normalise each shard on its own
