@@ -1,0 +1,91 @@
+"""Allreduce between processes, written out over torch.distributed point-to-point messages.
+
+`ring_allreduce_` is the ring of Patarasuk & Yuan 2009 ("Bandwidth optimal all-reduce algorithms for clusters
+of workstations"), the algorithm NCCL and Horovod use: P - 1 reduce-scatter steps, then P - 1 all-gather steps,
+each step every process sending one chunk to its right neighbour and receiving one from its left
+(`dist.batch_isend_irecv`, which works on gloo and NCCL). Every process sends 2(P - 1) chunks of about N / P
+elements, 2(P - 1)/P of the buffer, whatever P: no process is a bottleneck. `torch_allreduce_` is
+`dist.all_reduce`, the library's collective, as the reference to measure the ring against.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from src.sharding import shard_sizes
+
+PROCESS_ALGORITHMS = ("ring", "torch")
+
+
+def _exchange(send: Tensor, to: int, receive: Tensor, source: int, group: dist.ProcessGroup | None) -> None:
+    """Send `send` to global rank `to` while receiving `receive` from global rank `source`; wait for both."""
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, to, group))
+    if receive.numel():
+        ops.append(dist.P2POp(dist.irecv, receive, source, group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
+def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> int:
+    """Sum a 1-D buffer over the processes of `group` in place, with the ring algorithm.
+
+    The buffer is cut into P chunks whose sizes differ by at most one element (`src.sharding.shard_sizes`).
+    Reduce-scatter step s (s = 0 .. P-2): rank r sends chunk (r - s) mod P to rank r + 1 and adds the chunk
+    (r - s - 1) mod P it receives from rank r - 1 into its own; afterwards rank r holds the complete sum of
+    chunk (r + 1) mod P. All-gather step s: rank r sends chunk (r + 1 - s) mod P to rank r + 1 and stores the
+    chunk (r - s) mod P it receives from rank r - 1. Chunks of 0 elements (N < P) are neither sent nor received.
+
+    Args:
+        buffer: (N,) tensor of any dtype torch.distributed can send, the same N and dtype on every process.
+        group: Process group (default: the world).
+
+    Returns:
+        Bytes this process sent: 2(P - 1) chunks of ceil(N/P) or floor(N/P) elements, about 2(P - 1)/P · N
+        elements' worth.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return 0
+    sizes = shard_sizes(buffer.numel(), [1.0] * world)
+    chunks = list(buffer.split(sizes))
+    right, left = ((rank + 1) % world, (rank - 1) % world)
+    if group is not None:  # point-to-point takes global ranks
+        right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
+    scratch = torch.empty(max(sizes), dtype=buffer.dtype, device=buffer.device)
+    sent = 0
+    for s in range(world - 1):  # reduce-scatter
+        out, into = (rank - s) % world, (rank - s - 1) % world
+        incoming = scratch[: sizes[into]]
+        _exchange(chunks[out], right, incoming, left, group)
+        chunks[into].add_(incoming)
+        sent += chunks[out].numel() * chunks[out].element_size()
+    for s in range(world - 1):  # all-gather
+        out, into = (rank + 1 - s) % world, (rank - s) % world
+        _exchange(chunks[out], right, chunks[into], left, group)
+        sent += chunks[out].numel() * chunks[out].element_size()
+    return sent
+
+
+def torch_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Sum `buffer` over `group` in place with `dist.all_reduce` (the backend's own collective).
+
+    Returns:
+        None: gloo and NCCL do not report the bytes they send.
+    """
+    dist.all_reduce(buffer, group=group)
+
+
+def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None], int | None]:
+    """The implementation called `name`: "ring" (ours) or "torch" (`dist.all_reduce`).
+
+    Raises:
+        ValueError: For another name.
+    """
+    if name not in PROCESS_ALGORITHMS:
+        raise ValueError(f"unknown process_allreduce {name!r}; choose one of {', '.join(PROCESS_ALGORITHMS)}")
+    return ring_allreduce_ if name == "ring" else torch_allreduce_
