@@ -73,6 +73,12 @@ def _next_version(root: Path) -> Path:
     return root / f"version_{n}"
 
 
+def ideal_images_per_s(single: float, devices: list[int], shared_cores: bool) -> list[float]:
+    """The best throughput (images/s) each device count could reach, from one device's `single` images/s:
+    `single * d` for devices of their own, `single` when the "devices" share the same CPU cores."""
+    return [single * (1 if shared_cores else d) for d in devices]
+
+
 def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = False) -> None:
     """Write scaling.md, scaling.csv and scaling.png into `out` (each through a temporary name).
 
@@ -114,9 +120,9 @@ def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = Fa
     if single:
         # CPU "devices" are the same cores shared out, so the most any layout can reach is one device's speed
         counts = sorted({r.devices for r in rows})
-        scale = (lambda d: 1) if shared_cores else (lambda d: d)
         label = "ideal: 1x (devices share the CPU cores)" if shared_cores else "ideal (linear)"
-        ax.plot(counts, [single[0].images_per_s * scale(d) for d in counts], ls="--", color="gray", label=label)
+        ax.plot(counts, ideal_images_per_s(single[0].images_per_s, counts, shared_cores), ls="--", color="gray",
+                label=label)
         if shared_cores:
             title += "\nCPU devices share the same cores: the ideal speedup is 1x, not one per device"
     ax.set_ylim(bottom=0)  # a zero-based axis keeps small differences from looking large

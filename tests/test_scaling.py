@@ -29,3 +29,14 @@ def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
         assert list((report / name / "version_0").glob("events.out.tfevents.*"))
     out = capsys.readouterr().out
     assert "[3/3] lenet-ddp-2: training ..." in out and "report:" in out
+
+
+def test_the_ideal_line_is_flat_when_devices_share_the_cpu_cores(tmp_path):
+    from src.scaling import Row, ideal_images_per_s, write_report
+
+    assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=True) == [100.0, 100.0, 100.0]
+    assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=False) == [100.0, 200.0, 400.0]
+    fields = Row.__dataclass_fields__
+    row = Row(**{name: ("single" if name == "strategy" else 1) for name in fields})
+    write_report([row], tmp_path, "title", shared_cores=True)
+    assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.csv", "scaling.png"}
