@@ -13,7 +13,6 @@ ResNet-18's (44,684,072 bytes). P processes share the machine's cores: on 2 core
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.strategies.process_allreduce import ring_allreduce_, torch_allreduce_
+from tests.helpers.ports import free_port
 
 SIZES = [4 * 2**10, 64 * 2**10, 516_272, 2**20, 16 * 2**20, 44_684_072, 64 * 2**20]  # bytes
 NAMES = {516_272: "LeNet", 44_684_072: "ResNet-18"}
@@ -55,11 +55,6 @@ def _worker(rank: int, world: int, port: int, repeats: int, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,7 +68,7 @@ def main() -> None:
     for world in json.loads(args.processes):
         ctx = mp.get_context("spawn")
         out = ctx.SimpleQueue()
-        procs = mp.start_processes(_worker, args=(world, _free_port(), args.repeats, out), nprocs=world,
+        procs = mp.start_processes(_worker, args=(world, free_port(), args.repeats, out), nprocs=world,
                                    start_method="spawn", join=False)
         for _ in SIZES:
             row = json.loads(out.get())

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,16 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli_args import data_args, trainer_args
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.slow  # starts processes of its own
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -35,7 +30,7 @@ def two_node_run(tiny_data_dir, tmp_path_factory):
     """`torchrun --nnodes 2 --nproc-per-node 1` twice on 127.0.0.1, as one would on two machines; returns
     (outputs of node 0 and node 1, log folder)."""
     logs = tmp_path_factory.mktemp("two_nodes")
-    port = _free_port()
+    port = free_port()
     cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/ddp_cpu.yaml",
            "--trainer.num_nodes", "2", "--trainer.devices", "1", *data_args(tiny_data_dir),
            *trainer_args(logs, max_epochs=2)]
@@ -69,7 +64,7 @@ def test_torchrun_two_nodes_train_as_one_world(two_node_run):
 def test_tensorboard_server_serves_val_acc_per_epoch(two_node_run):
     _, logs = two_node_run
     run = logs / "lenet" / "ddp-2x1-cpu" / "version_0"
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1",
                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/data/plugin/scalars"

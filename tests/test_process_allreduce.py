@@ -1,7 +1,6 @@
 """Our ring allreduce between processes (point-to-point over gloo) sums exactly as `dist.all_reduce` does, and
 sends exactly 2(P - 1) chunks per process."""
 
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.multiprocessing as mp
 
 from src.sharding import shard_sizes
 from src.strategies.process_allreduce import process_allreduce, ring_allreduce_, torch_allreduce_
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.slow  # starts processes of its own
 
@@ -39,17 +39,12 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_between_processes_equals_all_reduce_and_counts_its_bytes(world):
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, _free_port(), results), nprocs=world, start_method="spawn",
+    procs = mp.start_processes(_worker, args=(world, free_port(), results), nprocs=world, start_method="spawn",
                                join=False)
     got = {}
     for _ in range(world * len(LENGTHS) + (2 if world == 3 else 0)):  # read while they run: a full pipe blocks
