@@ -4,6 +4,7 @@ import statistics
 import time
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -40,7 +41,7 @@ class EpochReport(pl.Callback):
         self._start, self._val_seconds, self._images, self._batches = time.perf_counter(), 0.0, 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._images += len(batch[1]) * trainer.world_size
+        self._images += len(batch[1])  # this process's part; summed over the processes at the epoch's end
         self._batches += 1
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
@@ -54,11 +55,14 @@ class EpochReport(pl.Callback):
         self.test_images = 0
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self.test_images += len(batch[1]) * trainer.world_size
+        self.test_images += len(batch[1])
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.test_images = _sum_over_processes(trainer, self.test_images)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         seconds = max(time.perf_counter() - self._start - self._val_seconds, 1e-9)
-        throughput = self._images / seconds
+        throughput = _sum_over_processes(trainer, self._images) / seconds
         self.epoch_seconds.append(seconds)
         self.epoch_throughputs.append(throughput)
         pl_module.log("time/epoch_s", seconds, on_epoch=True)
@@ -72,6 +76,14 @@ class EpochReport(pl.Callback):
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
                      f"{throughput:,.0f} images/s on [{devices}]")
+
+
+def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:
+    """A per-process count summed over every process (processes may hold shards of different sizes)."""
+    if trainer.world_size == 1:
+        return count
+    return int(trainer.strategy.reduce(torch.tensor(float(count), device=trainer.strategy.root_device),
+                                       reduce_op="sum").item())
 
 
 def say(trainer: pl.Trainer, line: str) -> None:

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from src.lightning_compat import sync_batchnorm_requested
 
-from src.sharding import check_enough_samples, check_global_batch
+from src.sharding import check_enough_samples, check_global_batch, check_split_weights
 
 
 def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[str, str] = os.environ) -> None:
@@ -43,10 +43,16 @@ def check_epochs(max_epochs: int | None) -> None:
 
 
 def check_replicas(batch_size: int, eval_batch_size: int, strategy: object) -> None:
-    """Raises ValueError when a global batch has fewer samples than our strategy has replicas."""
-    k = getattr(strategy, "num_replicas", 1)
-    check_enough_samples("data.batch_size=", batch_size, k)
-    check_enough_samples("data.eval_batch_size=", eval_batch_size, k)
+    """Our strategy's replicas of the whole job (P processes x K) against the global batches and split_weights.
+
+    Raises:
+        ValueError: A global batch with fewer samples than replicas, or split_weights of another length.
+    """
+    total = getattr(strategy, "total_replicas", 1)
+    check_enough_samples("data.batch_size=", batch_size, total)
+    check_enough_samples("data.eval_batch_size=", eval_batch_size, total)
+    if hasattr(strategy, "split_weights"):
+        check_split_weights(strategy.split_weights, total, strategy.layout)
 
 
 def check_sync_batchnorm(strategy: object, accelerator: object) -> None:
@@ -71,8 +77,9 @@ def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
     check_cluster(trainer.num_nodes, getattr(trainer.strategy, "cluster_environment", None))
     check_sync_batchnorm(trainer.strategy, trainer.accelerator)
     if hasattr(datamodule, "batch_size") and hasattr(datamodule, "eval_batch_size"):
-        check_global_batch("data.batch_size", datamodule.batch_size, trainer.world_size)
-        check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, trainer.world_size)
+        if getattr(trainer.strategy, "rank_shares", None) is None:  # DDP: equal parts; ours splits any batch
+            check_global_batch("data.batch_size", datamodule.batch_size, trainer.world_size)
+            check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, trainer.world_size)
         check_replicas(datamodule.batch_size, datamodule.eval_batch_size, trainer.strategy)
 
 

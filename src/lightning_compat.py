@@ -114,3 +114,41 @@ def sync_batchnorm_requested(strategy: "pl.strategies.Strategy") -> bool:
     """Whether `trainer.sync_batchnorm: true` was set: the Trainer hands it to the strategy as a layer-sync
     plugin, which strategies keep in this attribute without a public accessor."""
     return strategy._layer_sync is not None
+
+
+def process_launcher(strategy: "pl.strategies.Strategy", start_method: str, num_processes: int, num_nodes: int) -> Any:
+    """The launcher Lightning's DDP uses: "popen" re-runs the command line once per extra local process, "spawn"
+    starts worker processes from this one (what works inside pytest and notebooks).
+
+    Lightning exports these launchers from a private module only; DDPStrategy picks between them the same way.
+    """
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    if start_method == "popen":
+        return _SubprocessScriptLauncher(strategy.cluster_environment, num_processes, num_nodes)
+    return _MultiProcessingLauncher(strategy, start_method=start_method)
+
+
+def init_process_group(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> None:
+    """Start torch.distributed's default process group from a Lightning cluster environment (address, port,
+    rank, world size), as Lightning's DDP does; a no-op when one is already running.
+
+    The helper that reads the environment and calls `torch.distributed.init_process_group` is private.
+    """
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device  # NCCL binds the group to this process's first GPU
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def reduce_across_processes(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """`Strategy.reduce` as Lightning's DDP implements it ("mean"/"avg", "sum" or a ReduceOp; integer tensors
+    are averaged in floating point); the tensor unchanged when no process group is running.
+
+    The implementation is a private helper of Lightning's.
+    """
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -20,7 +20,7 @@ from typing import Literal
 
 import yaml
 
-Strategy = Literal["single", "split_allreduce", "ddp"]
+Strategy = Literal["single", "split_allreduce", "split_allreduce_processes", "ddp"]
 
 
 @dataclass
@@ -42,6 +42,10 @@ def _overlay_args(strategy: str, devices: int, accelerator: str) -> list[str]:
         return ["--config", "configs/strategy/single.yaml", "--trainer.accelerator", accelerator]
     if strategy == "ddp":
         return ["--config", f"configs/strategy/ddp_{accelerator}.yaml", "--trainer.devices", str(devices)]
+    if strategy == "split_allreduce_processes":  # ours, one process per device (trainer.devices = processes)
+        backend = "gloo" if accelerator == "cpu" else "nccl"
+        return ["--config", "configs/strategy/split_allreduce_processes.yaml", "--trainer.accelerator", accelerator,
+                "--trainer.devices", str(devices), "--trainer.strategy.init_args.process_group_backend", backend]
     names = ["cpu"] * devices if accelerator == "cpu" else [f"cuda:{i}" for i in range(devices)]
     return ["--config", "configs/strategy/split_allreduce.yaml", "--trainer.accelerator", accelerator,
             "--trainer.strategy.init_args.devices", "[" + ", ".join(names) + "]"]
@@ -146,9 +150,10 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
 
     Args:
         config: Experiment config, e.g. configs/lenet.yaml.
-        strategies: Which of single, split_allreduce (ours) and ddp to run. single runs on 1 device only,
-            the others on every count in `devices` above 1.
-        devices: Device counts: CPU replicas or processes on cpu, GPUs on gpu.
+        strategies: Which of single, split_allreduce (ours: 1 process x K replicas), split_allreduce_processes
+            (ours: P processes x 1 replica) and ddp to run. single runs on 1 device only, the others on every
+            count in `devices` above 1.
+        devices: Device counts (K replicas or P processes): CPU "devices" on cpu, GPUs on gpu.
         accelerator: cpu (DDP over gloo) or gpu (DDP over NCCL, our replicas on cuda:0..K-1).
         max_epochs: Epochs per run (sec/epoch and images/s are medians over epochs after the first).
         max_steps: If > 0, stop each run after this many optimizer steps instead.

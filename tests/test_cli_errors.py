@@ -31,7 +31,7 @@ def _fails(args, capsys, *expected):
     (["--config", "configs/strategy/ddp_cpu.yaml", "--data.batch_size", "255"],
      ["data.batch_size=255", "world size 2", "use 254 or 256"]),
     ([*SPLIT, "--trainer.strategy.init_args.allreduce", "tree"], ["allreduce", "'ring', 'reduce_broadcast'", "tree"]),
-    ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"], ["3 entries but there are 2 devices"]),
+    ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"], ["3 entries but there are 2 replicas"]),
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 0]"], ["split_weights must all be positive"]),
     ([*SPLIT, "--trainer.strategy.init_args.devices", "[cpu, cuda:3]"], ["cuda:3"]),
 ])

@@ -186,7 +186,12 @@ def test_grad_norms_bytes_and_replica_parameters_are_inspectable(tiny_data_dir, 
     assert ea.Scalars("comm/bytes_sent_per_device_max")[-1].value == n_params * 8  # K = 2 ring: N float64 bytes
 
 
-def test_registered_short_name_builds_k_from_trainer_devices():
+def test_trainer_devices_are_processes_and_replicas_per_process_is_k():
     trainer = pl.Trainer(accelerator="cpu", devices=3, strategy="split_allreduce", logger=False)
     assert isinstance(trainer.strategy, SplitAllreduceStrategy)
-    assert trainer.strategy.num_replicas == 3 and trainer.world_size == 1
+    assert trainer.strategy.num_replicas == 1 and trainer.world_size == 3 and trainer.strategy.total_replicas == 3
+    assert trainer.strategy.launcher is not None  # three processes: Lightning's launcher starts two more
+    one = pl.Trainer(accelerator="cpu", devices=1, strategy=SplitAllreduceStrategy(replicas_per_process=3),
+                     logger=False)
+    assert one.strategy.num_replicas == 3 and one.world_size == 1 and one.strategy.launcher is None
+    assert one.strategy.replica_devices == [torch.device("cpu")] * 3

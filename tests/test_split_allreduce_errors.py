@@ -23,7 +23,6 @@ def test_devices_that_do_not_exist(devices, message):
 
 
 @pytest.mark.parametrize("weights, message", [
-    ([1, 1, 1], "3 entries but there are 2 devices"),
     ([1, 0], "positive"),
     ([2, -1], "positive"),
     ("fast", "'auto'"),
@@ -33,9 +32,13 @@ def test_bad_split_weights(weights, message):
         SplitAllreduceStrategy(devices=["cpu", "cpu"], split_weights=weights)
 
 
-def test_split_weights_checked_against_devices_from_the_trainer(tiny_data_dir):
-    with pytest.raises(ValueError, match="3 entries but there are 2 replicas"):
-        fit(tiny_data_dir, SplitAllreduceStrategy(split_weights=[1, 1, 1]), devices=2, steps=1)
+def test_split_weights_checked_against_all_replicas(tiny_data_dir):
+    with pytest.raises(ValueError, match=r"3 entries but there are 2 replicas \(1 process x 2"):
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"], split_weights=[1, 1, 1]), steps=1)
+    with pytest.raises(ValueError, match="devices lists 2 replicas but replicas_per_process is 3"):
+        SplitAllreduceStrategy(devices=["cpu", "cpu"], replicas_per_process=3)
+    with pytest.raises(ValueError, match="unknown process_allreduce 'tree'"):
+        SplitAllreduceStrategy(process_allreduce="tree")
 
 
 def test_unknown_algorithm_and_buffer_mode():
@@ -68,20 +71,6 @@ def test_manual_optimization_is_refused(tiny_data_dir):
         fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), model_cls=_Manual, steps=1)
 
 
-def test_launch_by_torchrun_is_refused(tiny_data_dir, monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="one of several started by torchrun.*trainer.strategy: ddp"):
-        SplitAllreduceStrategy(devices=["cpu", "cpu"]).setup_environment()
-
-
-def test_launch_by_slurm_is_refused(monkeypatch):
-    monkeypatch.setenv("SLURM_NTASKS", "4")
-    monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    with pytest.raises(RuntimeError, match="SLURM"):
-        SplitAllreduceStrategy(devices=["cpu", "cpu"]).setup_environment()
-
-
 def test_overlay_config_runs_through_the_cli(fast_args, tmp_path):
     cli = main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml",
                 *fast_args])
@@ -94,8 +83,8 @@ def test_overlay_config_runs_through_the_cli(fast_args, tmp_path):
 
 def test_cli_short_name_and_algorithm_switch(fast_args):
     cli = main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--trainer.strategy", "split_allreduce",
-                "--trainer.devices", "2", "--test_after_fit", "false"])
-    assert cli.trainer.strategy.num_replicas == 2
+                "--test_after_fit", "false"])
+    assert cli.trainer.strategy.num_replicas == 1 and cli.trainer.world_size == 1
     from src.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tree"):

@@ -111,8 +111,8 @@ class FashionMNISTDataModule(pl.LightningDataModule):
     Args:
         data_dir: Dataset root; files go to `<data_dir>/FashionMNIST/raw/`.
         batch_size: Global batch: samples per optimizer step across all devices and processes. The
-            split/allreduce strategy splits it across its replicas; DDP gives each of its world_size
-            processes batch_size / world_size.
+            split/allreduce strategy splits it across all its replicas (P processes x K), in proportion to
+            `split_weights`; DDP gives each of its world_size processes batch_size / world_size.
         eval_batch_size: Global batch for validation and test (default: batch_size).
         val_size: Images of the 60k training set held out for validation (seeded split).
         split_seed: Seed of the train/val split.
@@ -199,10 +199,14 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def _sampler(self, num_samples: int, global_batch: int, train: bool) -> GlobalBatchSampler:
+        """This rank's part of every global batch: equal parts (DDP: the global batch must divide by the world
+        size), or the strategy's `rank_shares` when it has them (split_allreduce: any global batch)."""
         rank, world_size = self._world()
-        check_global_batch("data.batch_size" if train else "data.eval_batch_size", global_batch, world_size)
+        shares = getattr(self.trainer.strategy, "rank_shares", None) if self.trainer is not None else None
+        if shares is None:
+            check_global_batch("data.batch_size" if train else "data.eval_batch_size", global_batch, world_size)
         return GlobalBatchSampler(num_samples, global_batch, shuffle=train, drop_last=False,
-                                  seed=self.shuffle_seed, rank=rank, world_size=world_size)
+                                  seed=self.shuffle_seed, rank=rank, world_size=world_size, rank_shares=shares)
 
     def _loader(self, split: str, global_batch: int, train: bool, with_index: bool = False) -> TensorBatchLoader:
         images, labels = self.splits[split]

@@ -1,8 +1,8 @@
 """Batches straight from in-memory tensors: one index op per batch, no per-sample work, no workers.
 
-The sampler decides the order of the *global* batches; under multi-process DDP each rank takes its
+The sampler decides the order of the *global* batches; with several processes each rank takes its
 contiguous slice of every global batch, so one optimizer step sees the same samples whatever the
-strategy (single device, the split/allreduce strategy, or DDP with any world size).
+strategy (single device, the split/allreduce strategy with any P x K, or DDP with any world size).
 """
 
 from collections.abc import Iterator
@@ -24,13 +24,17 @@ class GlobalBatchSampler:
         seed: Base seed of the permutation.
         rank: This process's rank in [0, world_size).
         world_size: Number of processes sharing each global batch.
+        rank_shares: Relative share of every rank (a list of world_size positive numbers), or None for equal
+            shares. Rank r takes `shard_sizes(len(batch), rank_shares)[r]` samples of each global batch
+            (largest remainder: 255 over shares [3, 1] is 191 + 64). Read at every batch, so a strategy
+            that changes the list in place (`split_weights: auto`) changes the split from the next batch on.
     """
 
     def __init__(self, num_samples: int, global_batch: int, shuffle: bool, drop_last: bool,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, rank: int = 0, world_size: int = 1, rank_shares: list[float] | None = None) -> None:
         self.num_samples, self.global_batch = num_samples, global_batch
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.rank_shares = rank, world_size, rank_shares
         self.epoch = 0
         self.start_batch = 0  # batches of this epoch already consumed (mid-epoch resume)
 
@@ -50,11 +54,10 @@ class GlobalBatchSampler:
             order = torch.randperm(self.num_samples, generator=g)
         else:
             order = torch.arange(self.num_samples)
-        weights = [1.0] * self.world_size
         start, self.start_batch = self.start_batch, 0
         for b in range(start, len(self)):
             batch = order[b * self.global_batch:(b + 1) * self.global_batch]
-            sizes = shard_sizes(len(batch), weights)
+            sizes = shard_sizes(len(batch), self.rank_shares or [1.0] * self.world_size)
             lo = sum(sizes[: self.rank])
             yield batch[lo:lo + sizes[self.rank]]
 

@@ -1,6 +1,4 @@
-"""Which devices hold the replicas, and whether this process was started as one of several."""
-
-import os
+"""Which devices hold a process's replicas."""
 
 import torch
 
@@ -40,12 +38,19 @@ def parse_devices(devices: list[str]) -> list[torch.device]:
     return parsed
 
 
-def multi_process_launcher() -> str | None:
-    """Name the launcher if this process is one of several started by torchrun, SLURM or MPI, else None."""
-    if torch.distributed.is_torchelastic_launched():
-        return f"torchrun (WORLD_SIZE={os.environ.get('WORLD_SIZE')})"
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return f"SLURM (SLURM_NTASKS={os.environ['SLURM_NTASKS']})"
-    if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        return f"MPI (OMPI_COMM_WORLD_SIZE={os.environ['OMPI_COMM_WORLD_SIZE']})"
-    return None
+def local_replica_devices(accelerator_device: torch.device, local_rank: int, k: int) -> list[torch.device]:
+    """The K replica devices of local process `local_rank` when the strategy's `devices` is not given.
+
+    CPU: K times "cpu". CUDA: local process p takes cuda:p*K .. cuda:p*K+K-1 (with K = 1, the GPU Lightning
+    assigned it, as under DDP).
+
+    Args:
+        accelerator_device: The device Lightning assigned this process (from `trainer.accelerator/devices`).
+        local_rank: This process's rank on its node.
+        k: Replicas per process.
+    """
+    if accelerator_device.type != "cuda":
+        return [torch.device(accelerator_device.type)] * k
+    if k == 1:
+        return [accelerator_device]
+    return [torch.device("cuda", local_rank * k + j) for j in range(k)]

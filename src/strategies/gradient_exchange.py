@@ -1,4 +1,5 @@
-"""One optimizer step's gradient allreduce across K replicas: over fixed buckets, during or after backward.
+"""One optimizer step's gradient allreduce across K replicas (and, with several processes, across all of them):
+over fixed buckets, during or after backward.
 
 Counts the bytes each device sends, and can take each replica's gradient norm before the exchange.
 """
@@ -9,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.strategies.allreduce import allreduce_bucket_, allreduce_gradients_, bucket_indices
+from src.strategies.hierarchical import BetweenProcesses
+from src.strategies.buckets import allreduce_bucket_, allreduce_gradients_, bucket_indices
 from src.strategies.overlap import BucketReadiness
 
 
@@ -21,11 +23,13 @@ class GradientExchange:
         algorithm: "ring" or "reduce_broadcast" (see `src.strategies.allreduce`).
         cap_bytes: Bucket capacity in bytes; buckets are filled from the last parameter backwards.
         overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready.
+        between: With several processes, the allreduce between them (`src.strategies.hierarchical`); every
+            bucket is then summed over every replica of every process. None: this process's replicas only.
     """
 
     def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
-                 overlap: bool) -> None:
-        self.params, self.algorithm = replica_params, algorithm
+                 overlap: bool, between: BetweenProcesses | None = None) -> None:
+        self.params, self.algorithm, self.between = replica_params, algorithm, between
         self.buckets = bucket_indices(replica_params[0], cap_bytes)
         self.readiness = BucketReadiness(replica_params, self.buckets, self._reduce_in_backward) if overlap else None
         self.bytes_sent: list[int] = []  # per device, in the last exchange
@@ -52,9 +56,11 @@ class GradientExchange:
             left = ready.disarm() if ready is not None else None
         self.grad_norms = [_grad_norm(ps) for ps in self.params] if grad_norms else []
         if left is None:
-            self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets)
+            self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
+                                                   between=self.between)
         else:
-            rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left])
+            rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left],
+                                        between=self.between)
             self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
         return out
 
@@ -70,7 +76,7 @@ class GradientExchange:
 
     def _reduce_in_backward(self, b: int) -> None:
         members = [[ps[i] for i in self.buckets[b]] for ps in self.params]
-        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm)):
+        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm, self.between)):
             self._sent_in_backward[dev] += n
 
 

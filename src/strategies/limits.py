@@ -1,45 +1,62 @@
 """What `split_allreduce` cannot do, refused before training with a message that names the fix."""
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.lightning_compat import sync_batchnorm_requested
 from src.sharding import check_split_weights
 from src.strategies.allreduce import check_algorithm
-from src.strategies.devices import multi_process_launcher
+from src.strategies.process_allreduce import PROCESS_ALGORITHMS
 from src.strategies.replicate import check_buffer_mode
 
 
-def check_options(devices: list[str] | None, allreduce: str, sync_buffers: str, split_weights: object,
-                  bucket_cap_mb: float, auto_split_steps: int, check_sync_every: int) -> None:
+def check_options(devices: list[str] | None, replicas_per_process: int, allreduce: str, process_allreduce: str,
+                  sync_buffers: str, split_weights: object, bucket_cap_mb: float, auto_split_steps: int,
+                  check_sync_every: int) -> None:
     """The strategy's arguments, checked at construction (see `SplitAllreduceStrategy` for their meaning).
 
     Raises:
         ValueError: Naming the bad argument and the values it takes.
     """
     check_algorithm(allreduce)
+    if process_allreduce not in PROCESS_ALGORITHMS:
+        raise ValueError(f"unknown process_allreduce {process_allreduce!r}; choose one of "
+                         f"{', '.join(PROCESS_ALGORITHMS)}")
     check_buffer_mode(sync_buffers)
-    check_split_weights(split_weights, len(devices) if devices is not None else None, f"devices {devices}")
+    check_split_weights(split_weights)
+    if replicas_per_process < 1:
+        raise ValueError(f"replicas_per_process must be at least 1, got {replicas_per_process}")
+    if devices is not None and replicas_per_process not in (1, len(devices)):
+        raise ValueError(f"devices lists {len(devices)} replicas but replicas_per_process is {replicas_per_process}: "
+                         "give one of the two (devices sets the replicas per process by its length)")
     if bucket_cap_mb <= 0 or auto_split_steps < 2 or check_sync_every < 0:
         raise ValueError("need bucket_cap_mb > 0, auto_split_steps >= 2 and check_sync_every >= 0")
 
 
-def check_single_process(num_nodes: int) -> None:
-    """`split_allreduce` runs all its replicas in one process on one machine.
+def check_layout(strategy: "pl.strategies.Strategy") -> None:
+    """P processes x K replicas must fit the machine: on GPUs, the processes of a node must not share GPUs.
 
     Raises:
-        RuntimeError: Under a multi-process launcher, or with trainer.num_nodes > 1; the message names DDP.
+        ValueError: Explicit CUDA `devices` with several processes per node (each would take the same GPUs),
+            or more GPUs asked for (processes per node x replicas_per_process) than the machine has; the
+            message names the fix.
     """
-    launcher = multi_process_launcher()
-    if launcher:
-        raise RuntimeError(
-            f"split_allreduce runs all its replicas inside one process, but this process is one of several "
-            f"started by {launcher}. Start it once (python -m src.cli fit ...), or choose "
-            f"trainer.strategy: ddp for one process per device.")
-    if num_nodes > 1:
-        raise RuntimeError(f"split_allreduce works within one machine; trainer.num_nodes={num_nodes}. "
-                           "Use trainer.strategy: ddp for several nodes.")
+    processes, k = strategy.num_processes, strategy.replicas_per_process
+    explicit = strategy._devices
+    if explicit is not None and processes > 1 and any(d.type == "cuda" for d in explicit):
+        raise ValueError(f"devices {[str(d) for d in explicit]} lists GPUs, and every one of the {processes} processes "
+                         "per node (trainer.devices) would take the same ones. Drop devices and set "
+                         f"replicas_per_process: {k} (local process p then takes cuda:p*{k} .. cuda:p*{k}+{k - 1}), "
+                         "or run one process (trainer.devices: 1)")
+    assigned = strategy.parallel_devices or []
+    if explicit is None and k > 1 and assigned and assigned[0].type == "cuda":
+        present = torch.cuda.device_count()
+        if processes * k > present:
+            raise ValueError(f"{processes} processes per node (trainer.devices) x replicas_per_process {k} = "
+                             f"{processes * k} GPUs, but this machine has {present}: lower trainer.devices or "
+                             "replicas_per_process so that their product is at most the GPUs present")
 
 
 def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy") -> None:
@@ -55,6 +72,10 @@ def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy
     if isinstance(strategy.precision_plugin, MixedPrecision) and strategy.precision_plugin.scaler is not None:
         raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
                            "bf16-mixed or 32-true")
+    if sync_batchnorm_requested(strategy) and strategy.multi_process:
+        raise RuntimeError("split_allreduce combines BatchNorm statistics within one process only; with "
+                           f"{strategy.world_size} processes set trainer.sync_batchnorm: false, or run one process "
+                           "(trainer.devices: 1) with several replicas (devices: [cpu, cpu] or replicas_per_process)")
     if sync_batchnorm_requested(strategy) and getattr(strategy, "split_weights", None) == "auto":
         raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
                            "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "

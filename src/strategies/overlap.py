@@ -7,7 +7,9 @@ exchange after the whole backward.
 
 How readiness is known: a `register_post_accumulate_grad_hook` on every parameter of every replica fires
 once its `.grad` holds this backward's contribution; a bucket is ready when all K replicas' hooks for
-all its parameters have fired. The last hook to fire reduces the bucket there and then.
+all its parameters have fired. Buckets are reduced in their index order, as DDP does: a ready bucket is
+reduced at once if every bucket before it was, otherwise as soon as they are. With several processes this
+keeps every process's sequence of exchanges the same, whatever order its hooks fire in.
 
 Threads and streams: with replicas on several GPUs, autograd runs each device's backward on its own
 thread, so hooks of different replicas fire concurrently; counting and reducing happen under one lock.
@@ -38,6 +40,7 @@ class BucketReadiness:
         trainable = [all(ps[i].requires_grad for ps in replica_params) for i in range(len(replica_params[0]))]
         self._sizes = [len(replica_params) * sum(trainable[i] for i in b) for b in self.buckets]
         self._pending: list[int] = []
+        self._next = 0
         self._lock = threading.Lock()
         self.armed = False
         self.reduced: list[int] = []  # buckets reduced during the current (or last) armed backward, in order
@@ -51,20 +54,23 @@ class BucketReadiness:
                 return  # a backward of a micro-batch that accumulates: reduce only after the last one
             with self._lock:
                 self._pending[bucket] -= 1
-                if self._pending[bucket] == 0:
-                    self.reduce_bucket(bucket)
-                    self.reduced.append(bucket)
+                while self._next < len(self.buckets) and self._pending[self._next] == 0:
+                    self.reduce_bucket(self._next)
+                    self.reduced.append(self._next)
+                    self._next += 1
         return hook
 
     def arm(self) -> None:
         """Start counting for the next backward."""
         with self._lock:
             self._pending = list(self._sizes)
+            self._next = 0  # the first bucket not reduced yet
             self.reduced = []
             self.armed = True
 
     def disarm(self) -> list[int]:
-        """Stop counting; returns the buckets not reduced (some replica had no gradient for some parameter)."""
+        """Stop counting; returns the buckets not reduced, in index order (from the first whose gradients were not
+        all ready: some replica had no gradient for some parameter)."""
         with self._lock:
             self.armed = False
             done = set(self.reduced)

@@ -41,16 +41,19 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
     return shards
 
 
-def gather_losses(results: list[tuple[int, Any]], device: torch.device) -> Any:
+def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: int | None = None) -> Any:
     """The loss of the whole global batch, sum_k (n_k / N) * loss_k, on `device`, as one autograd graph.
 
     Each replica's loss is the mean over its n_k samples, so this weighted sum is the mean over all N, and
-    one backward through it gives replica k its shard's exact share of the global gradient.
+    one backward through it gives replica k its shard's exact share of the global gradient. With several
+    processes each forms its own part of the sum (N counts every process's samples) and the gradient
+    allreduce adds the parts.
 
     Args:
         results: (n_k, output of `training_step` on replica k) per replica, replica 0 first; an output is a
             loss tensor or a dict holding "loss". Replicas with n_k = 0 are skipped.
         device: Where the sum is formed (replica 0's device).
+        total: N, the samples of the global batch (default: the sum of this process's n_k).
 
     Returns:
         The combined loss (a () tensor), or replica 0's output dict with "loss" replaced by it.
@@ -58,7 +61,7 @@ def gather_losses(results: list[tuple[int, Any]], device: torch.device) -> Any:
     Raises:
         RuntimeError: If a replica's output holds no loss tensor.
     """
-    total = sum(n for n, _ in results)
+    total = total if total is not None else sum(n for n, _ in results)
     combined = None
     for n, out in results:
         if n == 0:

@@ -1,10 +1,12 @@
-"""Data parallelism written out by hand, in one process: the Lightning glue around scatter, parallel_apply,
-gather and allreduce (the d2l.ai multi-GPU chapters as a Strategy)."""
+"""Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
+(the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes."""
 
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
@@ -12,37 +14,50 @@ from typing_extensions import override
 from src.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import check_enough_samples, check_split_weights, shard_sizes
 from src.strategies.auto_split import AutoSplit
-from src.strategies.devices import parse_devices
+from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.gradient_exchange import GradientExchange
-from src.strategies.limits import check_one_optimizer, check_options, check_single_process, check_trainer_setup
+from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
 from src.strategies.parallel_apply import parallel_apply
+from src.strategies.process_allreduce import process_allreduce
+from src.strategies.process_sync import (check_in_sync_between_processes, gather_rates,
+                                         sync_buffers_between_processes_)
+from src.strategies.processes import ProcessesParallelStrategy, all_processes_sum
 from src.strategies.replicate import (check_in_sync, clone_optimizer, clone_replica, copy_gradients_,
                                       copy_hyperparameters_, merge_metrics_, metric_pairs, replica_tensor,
                                       sync_buffers_)
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
 from src.strategies.sync_batchnorm import SyncGroup, convert_, lockstep_apply, revert_
-from src.strategies.single_process import SingleProcessParallelStrategy
 
 
-class SplitAllreduceStrategy(SingleProcessParallelStrategy):
-    """Data parallelism in one process: K model replicas, every global batch split across them.
+class SplitAllreduceStrategy(ProcessesParallelStrategy):
+    """Data parallelism by hand: P processes (`trainer.devices` per node x `trainer.num_nodes`), each holding K
+    model replicas (`devices` or `replicas_per_process`), every global batch split across all P x K of them.
 
-    A training step (d2l.ai, "Training on Multiple GPUs", `train_batch`): scatter the global batch into K
-    shards, run `training_step` on replica k with shard k on device k, backpropagate sum_k (n_k / N) * loss_k,
-    allreduce the gradients over buckets, and step every replica's own optimizer on the same sum. Replica 0 is
-    the LightningModule itself: checkpoints hold it alone, as under one device or DDP. Validation and test
-    shards' metric states are merged into replica 0's. `trainer.sync_batchnorm: true` normalises every BatchNorm
-    with the global batch's statistics (src/strategies/sync_batchnorm.py: training steps then run in lockstep on
-    threads). `src.callbacks.StrategyMetrics` logs what this strategy measures. More: docs/split_allreduce.md.
+    A training step (d2l.ai, "Training on Multiple GPUs", `train_batch`): each process takes its part of the
+    global batch of N samples and scatters it into K shards, runs `training_step` on replica k with shard k on
+    device k, and backpropagates sum_k (n_k / N) * loss_k (with P > 1 the processes first sum their sample
+    counts to learn N). The gradients are allreduced over buckets, first among the K local replicas, then
+    between the P processes (src/strategies/hierarchical.py), and every replica's own optimizer steps on the
+    same sum. Replica 0 of rank 0 is the LightningModule that checkpoints hold, as under one device or DDP.
+    Validation and test shards' metric states are merged into local replica 0's, and torchmetrics combines
+    the processes'. `trainer.sync_batchnorm: true` normalises every BatchNorm with the global batch's
+    statistics (src/strategies/sync_batchnorm.py: training steps then run in lockstep on threads).
+    `src.callbacks.StrategyMetrics` logs what this strategy measures. More: docs/split_allreduce.md.
 
     Args:
-        devices: One entry per replica, e.g. ["cpu", "cpu"], ["cuda:0", "cuda:1"], ["cuda:0", "cpu"]. Default:
-            the Trainer's accelerator and `devices` (e.g. devices: 2 on cpu gives two CPU replicas).
-        allreduce: "ring" (reduce-scatter then all-gather; each device sends 2(K-1)/K of the gradient bytes)
-            or "reduce_broadcast" (d2l.ai's: sum on device 0, then broadcast).
-        split_weights: Relative shard sizes, one positive number per replica (e.g. [3, 1] for a device three
-            times as fast), "auto" (time each replica's forward pass over the first `auto_split_steps` steps,
-            then fix shares proportional to measured images/s), or None for equal shares.
+        devices: This process's replicas, one entry each, e.g. ["cpu", "cpu"], ["cuda:0", "cuda:1"],
+            ["cuda:0", "cpu"]; every process uses the same list. Default: `replicas_per_process` replicas of
+            the Trainer's accelerator (on GPUs, local process p takes cuda:p*K .. cuda:p*K+K-1).
+        replicas_per_process: K when `devices` is not given.
+        allreduce: Among a process's replicas: "ring" (reduce-scatter then all-gather; each device sends
+            2(K-1)/K of the gradient bytes) or "reduce_broadcast" (d2l.ai's: sum on device 0, then broadcast).
+            It also sets how the processes' exchange is nested in it (src/strategies/hierarchical.py).
+        process_allreduce: Between processes: "ring" (ours, over torch.distributed point-to-point messages;
+            each process sends 2(P-1)/P of the bytes) or "torch" (`dist.all_reduce`, the reference).
+        split_weights: Relative shard sizes, one positive number per replica of the whole job (P x K, rank 0's
+            replicas first; e.g. [3, 1] for a device three times as fast), "auto" (time each replica's
+            forward pass over the first `auto_split_steps` steps, then fix shares proportional to measured
+            images/s, the same on every process), or None for equal shares.
         sync_buffers: After each optimizer step, make BatchNorm running statistics equal by "broadcast"
             from replica 0 (DDP's default) or by "mean" over replicas.
         bucket_cap_mb: Gradient bucket size in MiB: gradients are flattened into buckets of at most this
@@ -55,25 +70,37 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         overlap: Allreduce each bucket during backward, as soon as every replica's gradients of it are ready,
             instead of after the whole backward. Same buckets, same sums, bitwise the same result. Steps that
             compute `log_grad_norms` exchange after backward (the norms are of the gradients before it).
+        process_group_backend: Between processes: "gloo" (CPU) or "nccl" (GPU); default by device type.
+        timeout: How long a collective waits for a process that stopped answering (e.g. "0:10:00").
+        start_method: "popen" (the command line runs again per extra local process) or "spawn".
 
     Raises:
-        ValueError: Bad devices, algorithm, weights or buffer mode (at construction); a batch smaller
-            than the number of replicas (at the step).
+        ValueError: Bad devices, algorithm, weights or buffer mode (at construction); a layout that does not
+            fit (at setup: see `src.strategies.limits.check_layout`); a global batch smaller than the number
+            of replicas (at the step).
         RuntimeError: Manual optimization, fp16 with a gradient scaler, `sync_batchnorm` with `split_weights:
-            auto`, several nodes, or a process started by torchrun/SLURM/MPI as one of several.
+            auto` or with several processes.
     """
 
     strategy_name = "split_allreduce"
 
-    def __init__(self, devices: list[str] | None = None, allreduce: Literal["ring", "reduce_broadcast"] = "ring",
+    def __init__(self, devices: list[str] | None = None, replicas_per_process: int = 1,
+                 allreduce: Literal["ring", "reduce_broadcast"] = "ring",
+                 process_allreduce: Literal["ring", "torch"] = "ring",
                  split_weights: list[float] | Literal["auto"] | None = None,
                  sync_buffers: Literal["broadcast", "mean"] = "broadcast", bucket_cap_mb: float = 25.0,
                  auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False,
-                 overlap: bool = False) -> None:
-        super().__init__(parallel_devices=parse_devices(devices) if devices is not None else None)
-        check_options(devices, allreduce, sync_buffers, split_weights, bucket_cap_mb, auto_split_steps,
-                      check_sync_every)
-        self.algorithm, self.sync_buffers_mode, self.split_weights = allreduce, sync_buffers, split_weights
+                 overlap: bool = False, process_group_backend: Literal["gloo", "nccl"] | None = None,
+                 timeout: timedelta | None = default_pg_timeout,
+                 start_method: Literal["popen", "spawn"] = "popen") -> None:
+        super().__init__(process_group_backend, timeout, start_method)
+        check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,
+                      bucket_cap_mb, auto_split_steps, check_sync_every)
+        self._devices = parse_devices(devices) if devices is not None else None
+        self.replicas_per_process = len(devices) if devices is not None else replicas_per_process
+        self.algorithm, self.process_algorithm = allreduce, process_allreduce
+        self.sync_buffers_mode, self.split_weights = sync_buffers, split_weights
+        self._rank_shares: list[float] | None = None  # made at setup; changed in place when `auto` fixes shares
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.check_sync_every, self.log_grad_norms, self.overlap = check_sync_every, log_grad_norms, overlap
         self.auto_split_steps, self.auto_split = auto_split_steps, None  # an AutoSplit while `auto` measures
@@ -95,21 +122,60 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
 
     @property
     def replica_devices(self) -> list[torch.device]:
-        """The device of each replica, replica 0 first."""
-        return list(self.parallel_devices or [])
+        """The device of each of this process's replicas, replica 0 first."""
+        if self._devices is not None:
+            return list(self._devices)
+        assigned = self.parallel_devices or [torch.device("cpu")]  # Lightning's: one per local process
+        return local_replica_devices(assigned[min(self.local_rank, len(assigned) - 1)], self.local_rank,
+                                     self.replicas_per_process)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """Local replica 0's device."""
+        return self.replica_devices[0]
 
     @property
     def num_replicas(self) -> int:
-        """K, the number of replicas."""
-        return len(self.parallel_devices or [])
+        """K, the replicas of this process."""
+        return self.replicas_per_process
+
+    @property
+    def total_replicas(self) -> int:
+        """P x K, the replicas of the whole job."""
+        return self.world_size * self.replicas_per_process
+
+    @property
+    def layout(self) -> str:
+        """The replicas in words, e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
+        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        return f"replicas ({processes} x {self.num_replicas}; rank 0's replicas first)"
+
+    @property
+    def rank_shares(self) -> list[float]:
+        """Each rank's relative share of every global batch (the sum of its replicas' `split_weights`), for the
+        DataModule's sampler. The same list object all run long: `auto` rewrites it in place once measured."""
+        if self._rank_shares is None:
+            weights, k = self._weights(), self.replicas_per_process
+            self._rank_shares = [sum(weights[r * k:(r + 1) * k]) for r in range(self.world_size)]
+        return self._rank_shares
+
+    def _weights(self) -> list[float]:
+        """`split_weights` of every replica of the job (equal while `auto` still measures)."""
+        if isinstance(self.split_weights, (list, tuple)):
+            return [float(w) for w in self.split_weights]
+        return [1.0] * self.total_replicas
+
+    def _local_weights(self) -> list[float]:
+        k, rank = self.replicas_per_process, self.global_rank
+        return self._weights()[rank * k:(rank + 1) * k]
 
     # ---- setup and teardown ------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
-        """Refuse multi-process launches and several nodes; check split_weights against K."""
-        check_single_process(self._num_nodes)
-        check_split_weights(self.split_weights, self.num_replicas,
-                            f"replicas {[str(d) for d in self.parallel_devices]}")
+        """Check the layout (devices, weights) against P x K, then start the process group when P > 1."""
+        check_layout(self)
+        check_split_weights(self.split_weights, self.total_replicas, self.layout)
         super().setup_environment()
 
     @override
@@ -119,7 +185,7 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         replica0 = self.lightning_module
         super().setup(trainer)
         self.replicas = [replica0]
-        for device in self.parallel_devices[1:]:
+        for device in self.replica_devices[1:]:
             replica = clone_replica(replica0, device)
             replica.trainer = trainer  # so self.log in a replica reaches the trainer's result collection
             self.replicas.append(replica)
@@ -128,16 +194,25 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.num_replicas, self.auto_split_steps)
 
+    @property
+    def splits(self) -> bool:
+        """Whether batches are split and gradients exchanged by this strategy (several replicas anywhere)."""
+        return self.num_replicas > 1 or self.multi_process
+
     @override
     def on_train_start(self) -> None:
         """Copy the optimizer to every replica (after a checkpoint's state was restored) and fix the buckets."""
-        if self.num_replicas <= 1:
+        if not self.splits:
             return
         check_one_optimizer(self.optimizers)
         replica0 = self.lightning_module
         self._replica_optimizers = [clone_optimizer(self.optimizers[0], replica0, r) for r in self.replicas[1:]]
+        between = None
+        if self.multi_process:
+            implementation = process_allreduce(self.process_algorithm)
+            between = lambda buffer: implementation(buffer, None)  # noqa: E731  (the world group)
         self.exchange = GradientExchange([list(r.parameters()) for r in self.replicas], self.algorithm,
-                                         self.bucket_cap_bytes, self.overlap)
+                                         self.bucket_cap_bytes, self.overlap, between)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -160,20 +235,34 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Keep batches that will be split on the host: each shard goes straight to its own device."""
         trainer = self.lightning_module.trainer
-        if len(self.replicas) > 1 and (trainer.training or trainer.validating or trainer.testing
+        if self.splits and (trainer.training or trainer.validating or trainer.testing
                                        or trainer.sanity_checking):
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_sizes(self, n: int) -> list[int]:
-        """Shard sizes for a batch of `n` samples (sum n, none dropped; equal while `auto` still measures).
+        """Shard sizes of this process's replicas for its part of a batch, `n` samples (sum n, none dropped;
+        equal while `auto` still measures).
 
         Raises:
-            ValueError: If `n` is smaller than the number of replicas.
+            ValueError: With one process, if `n` is smaller than the number of replicas (with several, the
+                training step checks the global batch instead).
         """
-        check_enough_samples("a batch of ", n, self.num_replicas)
-        weights = self.split_weights if isinstance(self.split_weights, (list, tuple)) else [1.0] * self.num_replicas
-        return shard_sizes(n, weights)
+        if not self.multi_process:
+            check_enough_samples("a batch of ", n, self.num_replicas)
+        return shard_sizes(n, self._local_weights())
+
+    def global_batch_size(self, n: int) -> int:
+        """N, the samples of this step's global batch, from this process's `n` (one small allreduce when P > 1).
+
+        Raises:
+            ValueError: If N is smaller than the P x K replicas (on every process alike).
+        """
+        if not self.multi_process:
+            return n
+        total = int(all_processes_sum([float(n)], self.root_device)[0])
+        check_enough_samples("a global batch of ", total, self.total_replicas)
+        return total
 
     def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict) -> list[tuple[int, Any]]:
         """Scatter `batch`, run `step` on every replica, merge their metrics; [(n_k, output_k)] by replica."""
@@ -181,10 +270,10 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
         shards, context = scatter(batch, sizes), self.precision_plugin.train_step_context
         if self.sync_group is not None and step == "training_step":  # sync_batchnorm: replicas in lockstep
-            outputs, seconds = lockstep_apply(self.replicas, self.parallel_devices, shards, sizes, step, args, kwargs,
+            outputs, seconds = lockstep_apply(self.replicas, self.replica_devices, shards, sizes, step, args, kwargs,
                                               self.sync_group, context), []
         else:
-            outputs, seconds = parallel_apply(self.replicas, self.parallel_devices, shards, sizes, step, args, kwargs,
+            outputs, seconds = parallel_apply(self.replicas, self.replica_devices, shards, sizes, step, args, kwargs,
                                               timed=timed)
         if timed:
             self.auto_split.record(sizes, seconds)
@@ -195,13 +284,14 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run training_step on every shard and return the loss of the whole global batch (gather)."""
-        if len(self.replicas) <= 1:
+        if not self.splits:
             return super().training_step(*args, **kwargs)
+        total = self.global_batch_size(batch_size_of(args[0]))
         with self.precision_plugin.train_step_context():
             results = self._run_replicas("training_step", args[0], args[1:], kwargs)
         if any(n and out is None for n, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
-        return gather_losses(results, self.root_device)
+        return gather_losses(results, self.root_device, total)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -214,7 +304,7 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         return self._eval_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     def _eval_step(self, step: str, context: Any, args: tuple, kwargs: dict) -> Any:
-        if len(self.replicas) <= 1:
+        if not self.splits:
             return getattr(super(), step)(*args, **kwargs)
         with context():
             return self._run_replicas(step, args[0], args[1:], kwargs)[0][1]
@@ -223,7 +313,7 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Backward, allreduce, then the same update on every replica."""
-        if len(self.replicas) <= 1:
+        if not self.splits:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
         # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
@@ -249,13 +339,27 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         """Sync buffers, count the step, fix an auto split when measured, check sync when due."""
         if any(True for _ in self.lightning_module.buffers()):
             sync_buffers_(self.replicas, self.sync_buffers_mode)
+            if self.multi_process:
+                sync_buffers_between_processes_(self.lightning_module, self.sync_buffers_mode)
+                sync_buffers_(self.replicas, "broadcast")
         self.steps += 1
         if self.split_weights == "auto":
             weights = self.auto_split.after_step()
             if weights is not None:
-                self.split_weights, self.split_fixed_at_step = weights, self.steps
+                self._fix_auto_split(weights)
         if self.check_sync_every and self.steps % self.check_sync_every == 0:
             self.check_replicas_in_sync()
+
+    def _fix_auto_split(self, local_weights: list[float]) -> None:
+        """Fix `split_weights` from the measured rates: every process's, gathered so all ranks use the same."""
+        if self.multi_process:
+            rates = gather_rates(self.auto_split.median_rates(), self.global_rank, self.world_size, self.root_device)
+            weights = [r / sum(rates) for r in rates]
+        else:
+            weights = local_weights
+        self.split_weights, self.split_fixed_at_step = weights, self.steps
+        k = self.replicas_per_process
+        self.rank_shares[:] = [sum(weights[r * k:(r + 1) * k]) for r in range(self.world_size)]
 
     @property
     def bytes_sent(self) -> list[int]:
@@ -272,5 +376,8 @@ class SplitAllreduceStrategy(SingleProcessParallelStrategy):
         return replica_tensor(self.replicas, k, name)
 
     def check_replicas_in_sync(self) -> None:
-        """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0."""
-        check_in_sync(self.replicas, self.parallel_devices, self.steps)
+        """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
+        (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
+        check_in_sync(self.replicas, self.replica_devices, self.steps)
+        if self.multi_process:
+            check_in_sync_between_processes(self.lightning_module, self.steps)

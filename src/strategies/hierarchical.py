@@ -1,0 +1,51 @@
+"""Allreduce over P processes of K replicas each: within the process, between processes, back to every replica.
+
+Two shapes, chosen by the in-process algorithm, both written out here and in `allreduce` / `process_allreduce`:
+
+* `ring` (Horovod's hierarchical allreduce, Sergeev & Del Balso 2018, "Horovod: fast and easy distributed deep
+  learning in TensorFlow"): a reduce-scatter among the K local replicas leaves local device k with the
+  process's sum of one chunk (N/K elements); device k then allreduces that chunk with the same chunk of every
+  other process; an all-gather among the K local replicas gives every replica every chunk. Every device sends
+  2(K-1)/K·N bytes inside its process and 2(P-1)/P·N/K between processes (with the `ring` between them).
+* `reduce_broadcast` (d2l.ai's shape, one level up): sum on local replica 0, allreduce that one buffer between
+  the processes, copy it back to the other local replicas. Local replica 0 sends (K-1)·N bytes inside the
+  process and 2(P-1)/P·N between processes; every other device sends N.
+
+With K = 1 both are just the allreduce between processes.
+"""
+
+from collections.abc import Callable, Sequence
+
+from torch import Tensor
+
+from src.strategies.allreduce import all_gather_, broadcast_, owned_chunk, reduce_, reduce_scatter_, ring_chunks
+
+# allreduce (sum) of one 1-D tensor over the processes, in place; returns the bytes this process sent, or
+# None when the implementation does not say (`dist.all_reduce`)
+BetweenProcesses = Callable[[Tensor], int | None]
+
+
+def two_level_allreduce_(buffers: Sequence[Tensor], algorithm: str, between: BetweenProcesses) -> list[int]:
+    """Sum K local buffers over every replica of every process, in place.
+
+    Args:
+        buffers: This process's K 1-D tensors of equal length and dtype, one per local replica; every process
+            passes the same length.
+        algorithm: The in-process algorithm, "ring" or "reduce_broadcast"; it also sets the shape (above).
+        between: The allreduce between processes (see `src.strategies.process_allreduce`), applied to one
+            chunk per local device ("ring") or to local replica 0's whole buffer ("reduce_broadcast").
+
+    Returns:
+        Bytes sent by each of the K local devices, both levels (the level between processes only when
+        `between` reports its bytes).
+    """
+    if algorithm == "ring":
+        sent = reduce_scatter_(buffers)
+        chunks = ring_chunks(buffers)
+        for k in range(len(buffers)):
+            chunk = chunks[k][owned_chunk(k, len(buffers))]
+            sent[k] += between(chunk) or 0 if chunk.numel() else 0
+        return [a + b for a, b in zip(sent, all_gather_(buffers))]
+    sent = reduce_(buffers)
+    sent[0] += between(buffers[0]) or 0
+    return [a + b for a, b in zip(sent, broadcast_(buffers))]

@@ -1,0 +1,169 @@
+"""A Lightning `ParallelStrategy` of P processes, each of which holds several local devices.
+
+The processes are started and joined the way Lightning's DDP does it (its launchers and cluster environments:
+the re-run command line, spawn, torchrun, SLURM) and talk through torch.distributed's default process group.
+With one process (P = 1) there is no process group at all: rank 0 of a world of 1, every collective is the
+identity, and the data-parallel work happens only between the process's own devices (in the subclass).
+"""
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from src.lightning_compat import init_process_group, process_launcher, reduce_across_processes
+
+
+class ProcessesParallelStrategy(ParallelStrategy):
+    """P processes (`trainer.devices` per node × `trainer.num_nodes`), each with the local devices of the subclass.
+
+    Args:
+        process_group_backend: torch.distributed backend between processes ("gloo" for CPUs, "nccl" for
+            GPUs; default: by the root device's type, as DDP chooses).
+        timeout: How long a collective waits for a process that does not answer before it fails (the
+            process-group timeout of `torch.distributed.init_process_group`).
+        start_method: How the local processes are started when P > 1: "popen" (the command line is run again
+            once per extra process, as Lightning's DDP does by default) or "spawn" (worker processes, for
+            pytest and notebooks). Processes started by torchrun or SLURM are used as they are.
+    """
+
+    def __init__(self, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 start_method: Literal["popen", "spawn"] = "popen") -> None:
+        super().__init__()
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"start_method must be popen or spawn, got {start_method!r}")
+        self._num_nodes = 1
+        self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
+
+    # ---- the world -----------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node (`trainer.devices`)."""
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        """Nodes (`trainer.num_nodes`)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether there are several processes (and so a process group)."""
+        return self.world_size > 1
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        """Several processes: each gets its part of every global batch from the DataModule."""
+        return self.multi_process
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Processes and this process's rank, as DDP gives them to a DistributedSampler."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        """The torch.distributed backend: as given, else nccl on a GPU and gloo on the CPU."""
+        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size (Lightning calls this)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # so that only global rank 0 logs and writes checkpoints
+
+    @override
+    def _configure_launcher(self) -> None:
+        """DDP's launchers when there are several processes; none (run in this process) for one."""
+        external = self.cluster_environment is not None and self.cluster_environment.creates_processes_externally
+        if self.num_processes * self.num_nodes > 1 or external:
+            self._launcher = process_launcher(self, self._start_method, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        """Select the root device; with several processes, join the process group (as DDP does)."""
+        super().setup_environment()
+        if self.multi_process:
+            reset_seed()  # every process starts from the seed that `seed_everything` set in the launching one
+            self.set_world_ranks()
+            init_process_group(self.cluster_environment, self.process_group_backend, self._timeout, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        """Move the LightningModule to the root device."""
+        self.model.to(self.root_device)
+
+    # ---- collectives between processes (identities with one) -------------------------------------------
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over the processes ("mean" by default, "sum", or a ReduceOp); others pass unchanged."""
+        if isinstance(tensor, Tensor) and self.multi_process:
+            return reduce_across_processes(tensor, group, reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process gets here."""
+        if self.multi_process and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s (picklable) object, on every process."""
+        if not (self.multi_process and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """(P, *shape): every process's tensor, by rank; the tensor itself with one process."""
+        if not self.multi_process:
+            return tensor
+        return super().all_gather(tensor, group, sync_grads)
+
+    @override
+    def teardown(self) -> None:
+        """Strategy's teardown; with several processes also the cluster environment's (ParallelStrategy's)."""
+        if self.multi_process and self.cluster_environment is not None:
+            super().teardown()
+        else:
+            Strategy.teardown(self)
+
+    def process_group_alive(self) -> bool:
+        """Whether collectives between processes can run now (several processes, group initialised)."""
+        return self.multi_process and dist.is_available() and dist.is_initialized()
+
+
+def all_processes_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sum of a short list of numbers over every process (one small `dist.all_reduce`).
+
+    Args:
+        values: The same length on every process.
+        device: Where the tensor is reduced (the process's root device; NCCL needs a GPU tensor).
+
+    Returns:
+        The sums, as Python floats (float64 on the way, so integer counts stay exact).
+    """
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
