@@ -71,11 +71,13 @@ class EpochReport(pl.Callback):
         pl_module.log("hp/images_per_s_median", statistics.median(self.epoch_throughputs), on_epoch=True)
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
-        devices = ", ".join(strategy_devices(trainer))
+        devices = f"[{', '.join(strategy_devices(trainer))}]"
+        if trainer.world_size > 1 and hasattr(trainer.strategy, "replica_devices"):  # ours: each process's replicas
+            devices = f"{trainer.world_size} processes x {devices}"
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
-                     f"{throughput:,.0f} images/s on [{devices}]")
+                     f"{throughput:,.0f} images/s on {devices}")
 
 
 def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:

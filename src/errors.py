@@ -97,7 +97,7 @@ def describe_lost_rank(text: str) -> str | None:
     others = [r for r in range(world) if r != rank]
     lost = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
     detail = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])[:160]  # drop gloo's source-file prefix
-    return (f"DDP lost {lost}: it died or stopped answering during a collective, so this process (rank {rank} of "
+    return (f"training lost {lost}: it died or stopped answering during a collective, so this process (rank {rank} of "
             f"{world}) stops too. Look at {lost}'s log for why, then restart the whole job with --ckpt_path last. "
             f"[{detail}]")
 

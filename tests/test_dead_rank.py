@@ -1,4 +1,5 @@
-"""A DDP rank that dies or hangs never leaves the other one waiting: it exits non-zero, naming the lost rank."""
+"""A rank that dies or hangs, under DDP or our strategy across processes, never leaves the other one waiting: it
+exits non-zero, naming the lost rank."""
 
 import json
 import os
@@ -17,9 +18,12 @@ pytestmark = pytest.mark.slow  # starts processes of its own
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run_with(callback: dict, data_dir: Path, logs: Path, *extra: str) -> tuple[int, str, float]:
+OVERLAYS = ["configs/strategy/ddp_cpu.yaml", "configs/strategy/split_allreduce_processes.yaml"]
+
+
+def _run_with(overlay: str, callback: dict, data_dir: Path, logs: Path, *extra: str) -> tuple[int, str, float]:
     args = [sys.executable, "-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
-            "configs/strategy/ddp_cpu.yaml", *data_args(data_dir, batch_size=16), *trainer_args(logs, max_epochs=3),
+            overlay, *data_args(data_dir, batch_size=16), *trainer_args(logs, max_epochs=3),
             "--test_after_fit", "false", "--trainer.callbacks+", json.dumps(callback), *extra]
     log = logs / "output.txt"
     tic = time.monotonic()
@@ -40,17 +44,20 @@ def _run_with(callback: dict, data_dir: Path, logs: Path, *extra: str) -> tuple[
     return proc.returncode, log.read_text(), seconds
 
 
-def test_killed_rank_is_named_by_the_survivor(tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_killed_rank_is_named_by_the_survivor(tiny_data_dir, tmp_path, overlay):
     kill = {"class_path": "tests.helpers.killers.KillAtStep", "init_args": {"step": 10, "rank": 1}}
-    rc, out, seconds = _run_with(kill, tiny_data_dir, tmp_path)
+    rc, out, seconds = _run_with(overlay, kill, tiny_data_dir, tmp_path)
     assert rc == 2, out[-3000:]
-    assert "error: DDP lost rank 1" in out and "(rank 0 of 2)" in out and "--ckpt_path last" in out
+    assert "error: training lost rank 1" in out and "(rank 0 of 2)" in out and "--ckpt_path last" in out
     assert "Traceback" not in out and seconds < 120
 
 
-def test_hung_rank_is_given_up_after_the_configured_timeout(tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_hung_rank_is_given_up_after_the_configured_timeout(tiny_data_dir, tmp_path, overlay):
     hang = {"class_path": "tests.helpers.killers.HangAtStep", "init_args": {"step": 10, "rank": 1}}
-    rc, out, seconds = _run_with(hang, tiny_data_dir, tmp_path, "--trainer.strategy.init_args.timeout", "0:00:15")
+    rc, out, seconds = _run_with(overlay, hang, tiny_data_dir, tmp_path, "--trainer.strategy.init_args.timeout",
+                                 "0:00:15")
     assert rc == 2, out[-3000:]
-    assert "error: DDP lost rank 1" in out and "stopped answering" in out
+    assert "error: training lost rank 1" in out and "stopped answering" in out
     assert 15 <= seconds < 120

@@ -25,15 +25,13 @@ def _env() -> dict:
     return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def two_node_run(tiny_data_dir, tmp_path_factory):
-    """`torchrun --nnodes 2 --nproc-per-node 1` twice on 127.0.0.1, as one would on two machines; returns
-    (outputs of node 0 and node 1, log folder)."""
-    logs = tmp_path_factory.mktemp("two_nodes")
+def _two_nodes(overlay: str, data_dir: Path, logs: Path, *extra: str) -> list[str]:
+    """`torchrun --nnodes 2 --nproc-per-node 1` twice on 127.0.0.1, as one would on two machines; returns the
+    outputs of node 0 and node 1."""
     port = free_port()
-    cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/ddp_cpu.yaml",
-           "--trainer.num_nodes", "2", "--trainer.devices", "1", *data_args(tiny_data_dir),
-           *trainer_args(logs, max_epochs=2)]
+    cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", overlay,
+           "--trainer.num_nodes", "2", "--trainer.devices", "1", *data_args(data_dir),
+           *trainer_args(logs, max_epochs=2), *extra]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                *cli],
@@ -48,7 +46,14 @@ def two_node_run(tiny_data_dir, tmp_path_factory):
                 q.kill()
             pytest.fail("the two torchrun nodes did not finish within 240 s")
     assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
-    return outputs, logs
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tiny_data_dir, tmp_path_factory):
+    """DDP on two torchrun "nodes": (outputs of node 0 and node 1, log folder)."""
+    logs = tmp_path_factory.mktemp("two_nodes")
+    return _two_nodes("configs/strategy/ddp_cpu.yaml", tiny_data_dir, logs), logs
 
 
 def test_torchrun_two_nodes_train_as_one_world(two_node_run):
@@ -58,6 +63,15 @@ def test_torchrun_two_nodes_train_as_one_world(two_node_run):
     assert "epoch 1: val acc" in node0 and "test acc" in node0
     assert "epoch 1: val acc" not in node1  # the per-epoch line is printed by global rank 0 only
     run = logs / "lenet" / "ddp-2x1-cpu" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+
+
+def test_torchrun_two_nodes_of_our_strategy_train_as_one_world(tiny_data_dir, tmp_path):
+    node0, node1 = _two_nodes("configs/strategy/split_allreduce_processes.yaml", tiny_data_dir, tmp_path,
+                              "--trainer.strategy.init_args.devices", "[cpu, cpu]", "--data.batch_size", "63")
+    assert "Starting with 2 processes" in node0 and "GLOBAL_RANK: 1, MEMBER: 2/2" in node1
+    assert "epoch 1: val acc" in node0 and "2 processes x [cpu, cpu]" in node0 and "test acc" in node0
+    run = tmp_path / "lenet" / "split_allreduce-2x2-cpu" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
 
 

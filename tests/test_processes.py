@@ -6,8 +6,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from src.data.fashion_mnist import FashionMNISTDataModule
+from src.models.classifier import LeNetClassifier
+from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import fit, max_param_diff
+from tests.helpers.runs import StopAfterEpoch, ddp, fit, max_param_diff
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -60,3 +63,57 @@ def test_processes_train_as_one_device(tiny_data_dir, tmp_path, single, strategy
         for j, state in enumerate(replicas):
             for name, t in reference.items():
                 assert torch.equal(t, state[name]), f"rank {rank} replica {j} differs at {name}"
+
+
+class BytesSnapshot(pl.Callback):
+    """Each rank writes `strategy.bytes_sent` after its last step to `<folder>/bytes<r>.pt`."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.save(list(trainer.strategy.bytes_sent), Path(self.folder) / f"bytes{trainer.global_rank}.pt")
+
+
+def test_bytes_sent_per_device_count_both_levels(tiny_data_dir, tmp_path):
+    """2 processes x 2 replicas, ring in both: device k sends the N elements of the local ring (K = 2) plus, for
+    the chunk it owns, 2(P-1) = 2 ring chunks between processes of ceil or floor half of it."""
+    fit(tiny_data_dir, ours(devices=["cpu", "cpu"]), steps=2, devices=2, callbacks=[BytesSnapshot(str(tmp_path))])
+    n = sum(p.numel() for p in LeNetClassifier().parameters())  # one bucket: 0.5 MB of float64 < 25 MiB
+    local_chunks = shard_sizes(n, [1, 1])  # device k owns chunk (k + 1) mod 2 after the local reduce-scatter
+    expected = [8 * (n + local_chunks[(k + 1) % 2]) for k in range(2)]
+    for rank in range(2):
+        assert torch.load(tmp_path / f"bytes{rank}.pt") == expected
+
+
+def test_evaluation_over_uneven_ranks_equals_one_device(tiny_data_dir, single):
+    dm_args = dict(batch_size=25, eval_batch_size=23, val_size=100, download=False)
+    kwargs = dict(accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    expected = pl.Trainer(devices=1, **kwargs).validate(single, FashionMNISTDataModule(str(tiny_data_dir), **dm_args))
+    got = pl.Trainer(devices=2, strategy=ours(devices=["cpu", "cpu"], split_weights=[3, 1, 1, 2]), **kwargs).validate(
+        single, FashionMNISTDataModule(str(tiny_data_dir), **dm_args))
+    assert got[0]["val/acc"] == expected[0]["val/acc"]
+    assert got[0]["val/loss"] == pytest.approx(expected[0]["val/loss"], rel=0.05)  # per-rank means, as DDP's
+
+
+MAKERS = {"single": lambda: ("auto", 1), "ddp": lambda: (ddp(), 2),
+          "ours 2x2": lambda: (ours(devices=["cpu", "cpu"]), 2)}
+
+
+@pytest.mark.parametrize("first, then", [("ours 2x2", "ddp"), ("ddp", "ours 2x2"), ("ours 2x2", "single"),
+                                         ("single", "ours 2x2")])
+def test_checkpoints_resume_across_strategies(tiny_data_dir, tmp_path, first, then):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    common = dict(steps=-1, batch_size=100, model_kwargs={"scheduler": "cosine"})
+    reference, _, _ = fit(tiny_data_dir, max_epochs=2, **common)
+    strategy, devices = MAKERS[first]()
+    fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True), StopAfterEpoch(0)], **common)
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert ckpt["epoch"] == 0 and sorted(ckpt["state_dict"]) == sorted(reference.state_dict())  # today's keys
+    strategy, devices = MAKERS[then]()
+    resumed, _, _ = fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
+                        **common)
+    assert max_param_diff(resumed, reference) <= 1e-9
