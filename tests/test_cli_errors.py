@@ -7,6 +7,7 @@ from tests.helpers.idx import write_fashion_mnist
 
 LENET = ["fit", "--config", "configs/lenet.yaml"]
 SPLIT = ["--config", "configs/strategy/split_allreduce.yaml"]
+PROCS = ["--config", "configs/strategy/split_allreduce_processes.yaml"]  # 2 processes: refused before they start
 
 
 def _fails(args, capsys, *expected):
@@ -34,6 +35,11 @@ def _fails(args, capsys, *expected):
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"], ["3 entries but there are 2 replicas"]),
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 0]"], ["split_weights must all be positive"]),
     ([*SPLIT, "--trainer.strategy.init_args.devices", "[cpu, cuda:3]"], ["cuda:3"]),
+    ([*PROCS, "--data.batch_size", "3", "--trainer.strategy.init_args.replicas_per_process", "2"],
+     ["data.batch_size=3 is smaller than the 4 replicas"]),
+    ([*PROCS, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"],
+     ["3 entries but there are 2 replicas (2 processes x 1"]),
+    ([*PROCS, "--trainer.strategy.init_args.process_allreduce", "tree"], ["process_allreduce", "tree"]),
 ])
 def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
     _fails([*LENET, *fast_args, *extra], capsys, *expected)

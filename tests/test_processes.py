@@ -50,7 +50,10 @@ def _rank_states(folder: Path, processes: int) -> list[list[dict]]:
     {"replicas_per_process": 2, "allreduce": "reduce_broadcast"},         # P=2 x K=2, reduce to replica 0 first
     {"split_weights": [3, 1]},                                            # uneven shards across ranks
     {"devices": ["cpu", "cpu"], "split_weights": [1, 2, 3, 2], "process_allreduce": "torch"},
-], ids=["2x1-ring", "2x1-torch", "2x2-ring", "2x2-reduce_broadcast", "2x1-uneven-3-1", "2x2-uneven-torch"])
+    {"devices": ["cpu", "cpu"], "overlap": True, "bucket_cap_mb": 0.05},  # buckets exchanged during backward
+    {"split_weights": "auto", "auto_split_steps": 3},                    # shares measured, agreed by both ranks
+], ids=["2x1-ring", "2x1-torch", "2x2-ring", "2x2-reduce_broadcast", "2x1-uneven-3-1", "2x2-uneven-torch",
+        "2x2-overlap", "2x1-auto"])
 def test_processes_train_as_one_device(tiny_data_dir, tmp_path, single, strategy_kwargs):
     model, _, _ = fit(tiny_data_dir, ours(check_sync_every=5, **strategy_kwargs), steps=STEPS, devices=2,
                             callbacks=[RankSnapshot(str(tmp_path))])
@@ -117,3 +120,19 @@ def test_checkpoints_resume_across_strategies(tiny_data_dir, tmp_path, first, th
     resumed, _, _ = fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
                         **common)
     assert max_param_diff(resumed, reference) <= 1e-9
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["2x1", "2x2"])
+def test_sync_batchnorm_across_processes_equals_one_device(tiny_data_dir, tmp_path, devices):
+    """BatchNorm statistics of the whole global batch over every replica of every process (float64)."""
+    from tests.test_sync_batchnorm import _BNNet, _state_diff
+
+    _, _, snap = fit(tiny_data_dir, model_cls=_BNNet, steps=4, batch_size=25)
+    fit(tiny_data_dir, ours(devices=devices), model_cls=_BNNet, steps=4, batch_size=25, devices=2,
+        sync_batchnorm=True, callbacks=[RankSnapshot(str(tmp_path))])
+    states = _rank_states(tmp_path, 2)
+    assert _state_diff(states[0][0], snap.states[0]) <= 1e-9  # parameters and running statistics
+    assert states[0][0]["net.4.num_batches_tracked"].item() == 4
+    for replicas in states:
+        for state in replicas:
+            assert _state_diff(state, states[0][0]) == 0.0

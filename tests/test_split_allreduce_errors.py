@@ -41,6 +41,19 @@ def test_split_weights_checked_against_all_replicas(tiny_data_dir):
         SplitAllreduceStrategy(process_allreduce="tree")
 
 
+def test_more_gpus_than_the_node_has_is_refused():
+    from src.strategies.limits import check_layout
+
+    strategy = SplitAllreduceStrategy(replicas_per_process=2)
+    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]  # trainer.devices: 2 on gpu
+    present = torch.cuda.device_count()
+    if present >= 4:
+        pytest.skip("this machine has 4 GPUs")
+    with pytest.raises(ValueError, match=rf"2 processes per node .* x replicas_per_process 2 = 4 GPUs, but this "
+                                         rf"machine has {present}"):
+        check_layout(strategy)
+
+
 def test_unknown_algorithm_and_buffer_mode():
     with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):
         SplitAllreduceStrategy(devices=["cpu"], allreduce="tree")

@@ -72,10 +72,6 @@ def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy
     if isinstance(strategy.precision_plugin, MixedPrecision) and strategy.precision_plugin.scaler is not None:
         raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
                            "bf16-mixed or 32-true")
-    if sync_batchnorm_requested(strategy) and strategy.multi_process:
-        raise RuntimeError("split_allreduce combines BatchNorm statistics within one process only; with "
-                           f"{strategy.world_size} processes set trainer.sync_batchnorm: false, or run one process "
-                           "(trainer.devices: 1) with several replicas (devices: [cpu, cpu] or replicas_per_process)")
     if sync_batchnorm_requested(strategy) and getattr(strategy, "split_weights", None) == "auto":
         raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
                            "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "

@@ -9,7 +9,6 @@ identity, and the data-parallel work happens only between the process's own devi
 from datetime import timedelta
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -153,17 +152,3 @@ class ProcessesParallelStrategy(ParallelStrategy):
         """Whether collectives between processes can run now (several processes, group initialised)."""
         return self.multi_process and dist.is_available() and dist.is_initialized()
 
-
-def all_processes_sum(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise sum of a short list of numbers over every process (one small `dist.all_reduce`).
-
-    Args:
-        values: The same length on every process.
-        device: Where the tensor is reduced (the process's root device; NCCL needs a GPU tensor).
-
-    Returns:
-        The sums, as Python floats (float64 on the way, so integer counts stay exact).
-    """
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()

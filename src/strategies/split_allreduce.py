@@ -1,11 +1,13 @@
 """Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes."""
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
@@ -21,7 +23,7 @@ from src.strategies.parallel_apply import parallel_apply
 from src.strategies.process_allreduce import process_allreduce
 from src.strategies.process_sync import (check_in_sync_between_processes, gather_rates,
                                          sync_buffers_between_processes_)
-from src.strategies.processes import ProcessesParallelStrategy, all_processes_sum
+from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicate import (check_in_sync, clone_optimizer, clone_replica, copy_gradients_,
                                       copy_hyperparameters_, merge_metrics_, metric_pairs, replica_tensor,
                                       sync_buffers_)
@@ -190,7 +192,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             replica.trainer = trainer  # so self.log in a replica reaches the trainer's result collection
             self.replicas.append(replica)
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.replicas[1:]]
-        self.sync_group = convert_(self.replicas) if sync_batchnorm_requested(self) and self.num_replicas > 1 else None
+        if sync_batchnorm_requested(self) and self.splits:
+            self.sync_group = convert_(self.replicas, across_processes=self.multi_process)
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.num_replicas, self.auto_split_steps)
 
@@ -252,17 +255,36 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             check_enough_samples("a batch of ", n, self.num_replicas)
         return shard_sizes(n, self._local_weights())
 
-    def global_batch_size(self, n: int) -> int:
-        """N, the samples of this step's global batch, from this process's `n` (one small allreduce when P > 1).
+    def global_batch_size(self, n: int) -> Callable[[], int]:
+        """N, the samples of this step's global batch, from this process's `n`: a function that returns it.
+
+        With P > 1 the processes sum their counts with one small allreduce, started here and waited for when the
+        function is called, so its latency hides behind the replicas' forward passes (with `sync_batchnorm` it is
+        waited for at once: the BatchNorm layers must not meet a process that has no sample).
 
         Raises:
-            ValueError: If N is smaller than the P x K replicas (on every process alike).
+            ValueError: From the returned function, if N is smaller than the P x K replicas (on every process
+                alike), or, with `sync_batchnorm`, if a process got no sample.
         """
         if not self.multi_process:
-            return n
-        total = int(all_processes_sum([float(n)], self.root_device)[0])
-        check_enough_samples("a global batch of ", total, self.total_replicas)
-        return total
+            return lambda: n
+        counts = torch.tensor([float(n), float(n == 0)], dtype=torch.float64, device=self.root_device)
+        work = dist.all_reduce(counts, async_op=True)
+
+        def result() -> int:
+            work.wait()
+            total, idle = int(counts[0].item()), int(counts[1].item())
+            check_enough_samples("a global batch of ", total, self.total_replicas)
+            if idle and self.sync_group is not None:  # its BatchNorm layers would never meet the others'
+                raise ValueError(f"a global batch of {total} left {idle} process(es) without a sample, and "
+                                 "trainer.sync_batchnorm needs every process in every step: make split_weights "
+                                 "less uneven or data.batch_size larger")
+            return total
+
+        if self.sync_group is not None:
+            total = result()
+            return lambda: total
+        return result
 
     def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict) -> list[tuple[int, Any]]:
         """Scatter `batch`, run `step` on every replica, merge their metrics; [(n_k, output_k)] by replica."""
@@ -289,6 +311,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         total = self.global_batch_size(batch_size_of(args[0]))
         with self.precision_plugin.train_step_context():
             results = self._run_replicas("training_step", args[0], args[1:], kwargs)
+        total = total()
         if any(n and out is None for n, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
         return gather_losses(results, self.root_device, total)

@@ -11,6 +11,12 @@ one device on one thread, so a barrier there would deadlock).
 In training, the replicas' `training_step`s run in lockstep (`lockstep_apply`): replica 0 on the calling thread,
 the others on worker threads, and each synchronised BatchNorm layer waits at a `Rendezvous` until all of them
 have put their partial statistics there. Eval mode uses the running statistics and exchanges nothing.
+
+With several processes, the first local replica also combines its process's statistics with the other
+processes' (`_AllGatherStats`: an all-gather in forward, and in backward an allreduce of the gradients that
+flow into the gathered statistics, as `torch.nn.SyncBatchNorm` exchanges them), once per layer and process;
+every local replica uses the result. The collectives of backward run in the same order on every process,
+because every process runs the same graph.
 """
 
 import threading
@@ -20,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -51,6 +58,7 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._calls = [0] * self.parties
         self._slots: dict[int, list[Any]] = {}
+        self._shared: Any = None
 
     def exchange(self, replica: int, contribution: Any) -> list[Any]:
         """Hand in `contribution` for `replica`'s next layer; returns every participant's, participant order.
@@ -73,6 +81,21 @@ class Rendezvous:
                 from None
         return slots
 
+    def once(self, replica: int, compute: Callable[[], Any]) -> Any:
+        """The first participant runs `compute()`; every participant waits for it and gets its result.
+
+        Raises:
+            RendezvousBroken: As for `exchange`.
+        """
+        if self.slot_of[replica] == 0:
+            self._shared = compute()
+        try:
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            raise RendezvousBroken(f"replica {replica} gave up waiting for the statistics of the other processes: "
+                                   "another replica failed or timed out") from None
+        return self._shared
+
     def abort(self) -> None:
         """Release every replica waiting now or later with `RendezvousBroken`."""
         self.aborted = True
@@ -80,10 +103,51 @@ class Rendezvous:
 
 
 class SyncGroup:
-    """What the synchronised layers of all replicas share: the rendezvous of the running step, if any."""
+    """What the synchronised layers of all replicas share: the rendezvous of the running step, if any, and whether
+    the statistics are combined across processes too (`across_processes`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, across_processes: bool = False) -> None:
         self.rendezvous: Rendezvous | None = None
+        self.across_processes = across_processes
+
+
+class _AllGatherStats(torch.autograd.Function):
+    """(D,) per process -> (P, D) of every process, rank order; backward sums each process's gradient of the
+    gathered (P, D) over the processes (one allreduce) and returns this rank's row."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor) -> Tensor:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)  # every process's loss depends on every process's statistics
+        return grad[dist.get_rank()]
+
+
+def _combine(counts: list[int] | Tensor, means: list[Tensor] | Tensor, m2s: list[Tensor] | Tensor
+             ) -> tuple[Tensor, Tensor]:
+    """Chan et al.'s parallel mean and M2 of groups with `counts` samples, means and M2s (as autograd ops)."""
+    total = sum(counts)
+    mean = sum(n * m for n, m in zip(counts, means)) / total
+    m2 = sum(q + n * (m - mean).square() for n, m, q in zip(counts, means, m2s))
+    return mean, m2
+
+
+def _across_processes(parts: list[tuple[int, Tensor, Tensor]], device: torch.device) -> tuple[int, Tensor, Tensor]:
+    """This process's statistics (from its replicas' `parts`) combined with every other process's: (N, mean, M2)."""
+    n = sum(p[0] for p in parts)
+    mean, m2 = _combine([p[0] for p in parts], [p[1].to(device) for p in parts], [p[2].to(device) for p in parts])
+    count = torch.full((1,), float(n), dtype=mean.dtype, device=device)
+    gathered = _AllGatherStats.apply(torch.cat([count, mean, m2]))  # (P, 1 + 2C)
+    c = mean.numel()
+    counts = gathered[:, 0].detach()
+    total = int(counts.sum().item())
+    mean, m2 = _combine(list(counts), list(gathered[:, 1:1 + c]), list(gathered[:, 1 + c:]))
+    return total, mean, m2
 
 
 class ReplicaSyncBatchNorm(_BatchNorm):
@@ -110,7 +174,8 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         """x (n_k, C, *) -> same shape and dtype, normalised with the global batch's statistics in training."""
         rendezvous = self._sync_group.rendezvous
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        if not bn_training or rendezvous is None or rendezvous.parties == 1:
+        across = self._sync_group.across_processes
+        if not bn_training or rendezvous is None or (rendezvous.parties == 1 and not across):
             return super().forward(x)
         self._check_input_dim(x)
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -121,13 +186,17 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         mean_k = xs.sum(dims) / max(n, 1)
         m2_k = (xs - mean_k.view(shape)).square().sum(dims)
         parts = rendezvous.exchange(self._sync_replica, (n, mean_k, m2_k))
-        total = sum(p[0] for p in parts)
+        if across:
+            total, mean, m2 = rendezvous.once(self._sync_replica, lambda: _across_processes(parts, x.device))
+            mean, m2 = mean.to(x.device), m2.to(x.device)
+        else:
+            total = sum(p[0] for p in parts)
         if total < 2:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)} "
                              f"over all replicas ({total} values per channel)")
-        means = [p[1].to(x.device) for p in parts]
-        mean = sum(p[0] * m for p, m in zip(parts, means)) / total
-        m2 = sum(p[2].to(x.device) + p[0] * (m - mean).square() for p, m in zip(parts, means))
+        if not across:
+            mean, m2 = _combine([p[0] for p in parts], [p[1].to(x.device) for p in parts],
+                                [p[2].to(x.device) for p in parts])
         var = m2 / total
         self._update_running_stats(mean.detach(), var.detach(), total)
         y = (xs - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
@@ -159,18 +228,19 @@ def _sync_class(cls: type) -> type:
     return _SYNC_CLASSES[cls]
 
 
-def convert_(replicas: list[nn.Module]) -> SyncGroup:
+def convert_(replicas: list[nn.Module], across_processes: bool = False) -> SyncGroup:
     """Make every nn.BatchNorm1d/2d/3d of every replica a `ReplicaSyncBatchNorm` sharing one `SyncGroup`.
 
     In place: the modules keep their parameters, buffers and names (state_dict keys unchanged).
 
     Args:
         replicas: The K replicas, replica 0 first; replica k's layers take part as replica k.
+        across_processes: Combine the statistics with the other processes of the default process group too.
 
     Returns:
         The group; `lockstep_apply` opens a rendezvous in it for each training step.
     """
-    group = SyncGroup()
+    group = SyncGroup(across_processes)
     for k, replica in enumerate(replicas):
         for module in replica.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and type(module) in (
