@@ -118,7 +118,7 @@ def _load_calibration(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def _link(name: str, calibration: str) -> tuple[Link, str]:
+def resolve_link(name: str, calibration: str) -> tuple[Link, str]:
     """The link called `name` and a line saying where its numbers come from."""
     if name in LINKS:
         p = LINKS[name]
@@ -148,7 +148,7 @@ def _reference_gpu(networks: dict[str, Network]) -> tuple[float, float]:
     return overhead, 1.0 / seconds_per_flop
 
 
-def _compute(device: str, net: Network, calibration: str, seconds_per_image: float | None,
+def resolve_compute(device: str, net: Network, calibration: str, seconds_per_image: float | None,
              overhead_s: float | None) -> tuple[Compute, str]:
     """The per-replica compute model and a line saying where it comes from."""
     if seconds_per_image is not None and overhead_s is not None:
@@ -377,9 +377,9 @@ def run_forecast(config: str = "configs/lenet.yaml", hardware: str = "cpu-2core"
     if per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {per_node}")
 
-    compute, compute_note = _compute(preset.device, net, calibration, seconds_per_image, overhead_s)
-    intra, intra_note = _link(intra_link or preset.intra, calibration)
-    inter, inter_note = _link(inter_link or preset.inter, calibration)
+    compute, compute_note = resolve_compute(preset.device, net, calibration, seconds_per_image, overhead_s)
+    intra, intra_note = resolve_link(intra_link or preset.intra, calibration)
+    inter, inter_note = resolve_link(inter_link or preset.inter, calibration)
     if alpha_s is not None or beta_s_per_byte is not None:
         intra = Link(intra.alpha if alpha_s is None else alpha_s, intra.beta if beta_s_per_byte is None
                      else beta_s_per_byte)
