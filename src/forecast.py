@@ -17,6 +17,7 @@ import importlib
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -164,7 +165,7 @@ def resolve_compute(device: str, net: Network, calibration: str, seconds_per_ima
         c = cal["compute"][net.class_name]
         compute = Compute(overhead_s if overhead_s is not None else c["overhead_s"],
                           seconds_per_image if seconds_per_image is not None else c["seconds_per_image"])
-        note = (f"[measured: line through {len(c['samples'])} timed training steps at batches "
+        note = (f"[measured: a line through the median step times at batches "
                 f"{sorted({b for b, _ in c['samples']})}, {c['threads']} thread(s), relative error rms "
                 f"{c['fit']['rms_rel_err']:.0%}; {cal['hardware']}, {cal['date']}]")
         return compute, note
@@ -440,6 +441,11 @@ def main(args: list[str] | None = None) -> Path:
     # not jsonargparse.CLI: it reserves --config for its own config files, and here --config is the experiment
     parser = ArgumentParser(prog="python -m src.forecast", description=__doc__.split("\n\n")[0])
     parser.add_function_arguments(run_forecast, as_positional=False)
+    args = list(sys.argv[1:] if args is None else args)
+    # a bare --calibrate is a flag; jsonargparse's bool options want a value
+    args = [a for i, a in enumerate(args) for a in (
+        ["--calibrate", "true"] if a == "--calibrate" and (i + 1 == len(args) or args[i + 1].startswith("--"))
+        else [a])]
     try:
         return run_forecast(**parser.parse_args(args).as_dict())
     except ValueError as err:
