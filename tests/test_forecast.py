@@ -190,3 +190,13 @@ def test_bad_input_gives_one_line(tiny, tmp_path, args, message):
     text = str(err.value)
     assert message in text and "\n" not in text and text.startswith("python -m src.forecast: error:")
     assert not (tmp_path / "fc").exists()  # nothing written
+
+
+def test_bare_calibrate_flag_runs_the_calibration(monkeypatch, tmp_path):
+    import benchmarks.calibrate
+
+    calls = []
+    monkeypatch.setattr(benchmarks.calibrate, "calibrate", lambda *args: calls.append(args) or tmp_path / "c.json")
+    assert main(["--calibrate", "--calibration", str(tmp_path / "c.json")]) == tmp_path / "c.json"
+    assert calls == [(str(tmp_path / "c.json"), ["configs/lenet.yaml", "configs/resnet18.yaml"], [2, 3, 4], 7)]
+    assert main(["--calibration", str(tmp_path / "c.json"), "--calibrate"]) == tmp_path / "c.json"  # flag last
