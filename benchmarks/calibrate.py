@@ -1,0 +1,164 @@
+"""Calibrate the scaling predictor on this machine: allreduce alpha / beta over gloo on loopback, and compute time.
+
+    python -m src.forecast --calibrate                       # writes benchmarks/calibration/cpu-2core.json
+    python -m src.forecast --calibrate --calibrate_processes "[2]" --calibration /tmp/cal.json
+
+1. Allreduce: `benchmarks.process_allreduce`'s timing (P processes on loopback gloo, each call from a barrier to
+   the slowest process, median of `repeats`) over its size sweep (4 KiB to 64 MiB), for `dist.all_reduce`
+   (what DDP uses) and our point-to-point ring; alpha and beta of each fitted by least squares on relative
+   error (`src.cost_model.fit_alpha_beta`, the ring's 2(P-1)·alpha + 2(P-1)/P·n·beta).
+2. Compute: the experiment's LightningModule trained by the real Trainer on synthetic 28x28 images (the
+   arithmetic does not depend on the pixels) with one intra-op thread, as each of DDP's processes gets on a
+   2-core CPU; the time between consecutive training-batch ends (data, forward, backward, optimizer, hooks)
+   at several batch sizes, fitted with a line: overhead + batch·seconds_per_image.
+
+Takes a few minutes and loads every core: nothing else should run meanwhile.
+"""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import yaml
+
+from src.cost_model import fit_alpha_beta, fit_line, relative_errors
+
+# Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a
+# replica's share of the shipped global batches.
+BATCHES = {"LeNetClassifier": [32, 128, 256], "ResNet18Classifier": [8, 16, 32]}
+DEFAULT_BATCHES = [16, 64]
+
+
+def _fit_summary(errors: list[float]) -> dict:
+    return {"rms_rel_err": (sum(e * e for e in errors) / len(errors)) ** 0.5, "max_rel_err": max(map(abs, errors))}
+
+
+def measure_allreduce(processes: list[int], repeats: int) -> list[dict]:
+    """Median seconds of both allreduce implementations for every size of the sweep and every P.
+
+    Returns:
+        Rows {"p", "bytes", "ring", "torch"} (seconds).
+    """
+    import torch.multiprocessing as mp
+
+    from benchmarks.process_allreduce import SIZES, _worker
+    from tests.helpers.ports import free_port
+
+    rows = []
+    for world in processes:
+        out = mp.get_context("spawn").SimpleQueue()
+        procs = mp.start_processes(_worker, args=(world, free_port(), repeats, out), nprocs=world,
+                                   start_method="spawn", join=False)
+        for _ in SIZES:
+            row = json.loads(out.get())
+            rows.append({"p": world, "bytes": row["size"], "ring": row["ring"], "torch": row["torch"]})
+            print(f"allreduce P={world} {row['size']:>10,} bytes: ring {row['ring'] * 1e3:8.3f} ms, "
+                  f"dist.all_reduce {row['torch'] * 1e3:8.3f} ms", flush=True)
+        while not procs.join(timeout=60):
+            pass
+    return rows
+
+
+def _timed_steps(class_path: str, init_args: dict, batch: int, steps: int, root: str) -> list[float]:
+    """Seconds between consecutive training-batch ends of `steps` steps (the first two dropped)."""
+    import importlib
+
+    import lightning.pytorch as pl
+
+    from src.data.fashion_mnist import FashionMNISTDataModule
+
+    class Intervals(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.ends.append(time.perf_counter())
+
+    module_name, _, cls_name = class_path.rpartition(".")
+    model = getattr(importlib.import_module(module_name), cls_name)(**init_args)
+    timer = Intervals()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[timer])
+    trainer.fit(model, FashionMNISTDataModule(root, batch_size=batch, val_size=100, download=False))
+    gaps = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+    return gaps[2:]
+
+
+def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dict:
+    """Per-network line overhead + batch·seconds_per_image from timed training steps on one thread.
+
+    Returns:
+        {class name: {"overhead_s", "seconds_per_image", "threads", "samples": [[batch, median seconds], ...],
+        "fit": {...}, "config"}}.
+    """
+    import torch
+
+    from tests.helpers.idx import write_fashion_mnist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # one replica per core, as DDP's processes get on this CPU
+    root = tempfile.mkdtemp(prefix="fmnist-calibrate-")
+    write_fashion_mnist(Path(root) / "FashionMNIST" / "raw", n_train=100 + 256 * (steps + 2), n_test=100)
+    result = {}
+    for config in configs:
+        model = (yaml.safe_load(Path(config).read_text()) or {})["model"]
+        cls_name = model["class_path"].rpartition(".")[2]
+        batches = BATCHES.get(cls_name, DEFAULT_BATCHES)
+        times: dict[int, list[float]] = {b: [] for b in batches}
+        for _ in range(rounds):  # alternate the batch sizes: the machine drifts between minutes
+            for b in batches:
+                times[b] += _timed_steps(model["class_path"], model.get("init_args") or {}, b, steps, root)
+        samples = [[b, statistics.median(t)] for b, t in times.items()]
+        overhead, per_image = fit_line([(b, t) for b, t in samples])
+        errors = [(overhead + b * per_image - t) / t for b, t in samples]
+        result[cls_name] = {"config": config, "overhead_s": overhead, "seconds_per_image": per_image,
+                            "threads": 1, "samples": samples, "fit": _fit_summary(errors)}
+        print(f"compute {cls_name}: {overhead * 1e3:.2f} ms/step + {per_image * 1e6:.1f} us/image "
+              f"(samples {[(b, round(t * 1e3, 2)) for b, t in samples]} ms)", flush=True)
+    return result
+
+
+def calibrate(path: str, configs: list[str], processes: list[int], repeats: int) -> Path:
+    """Measure, fit and write the calibration file `path`; returns it."""
+    import torch
+
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    started = time.perf_counter()
+    rows = measure_allreduce(processes, repeats)
+    allreduce = {}
+    for key, what in (("torch", "dist.all_reduce (gloo)"), ("ring", "our point-to-point ring (gloo)")):
+        samples = [[r["p"], r["bytes"], r[key]] for r in rows]
+        alpha, beta = fit_alpha_beta(samples)
+        errors = relative_errors(samples, alpha, beta)
+        per_p = {str(p): _fit_summary([e for (q, _, _), e in zip(samples, errors) if q == p]) for p in processes}
+        allreduce[key] = {"what": what, "alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_GB_s": 1e-9 / beta,
+                          "fit": {**_fit_summary(errors), "per_p": per_p}, "samples": samples}
+        print(f"fit {what}: alpha {alpha * 1e6:.1f} us, {1e-9 / beta:.2f} GB/s, relative error rms "
+              f"{allreduce[key]['fit']['rms_rel_err']:.0%}", flush=True)
+    compute = measure_compute(configs)
+    machine = platform.machine().replace("_", "-")
+    cal = {
+        "date": date,
+        "hardware": f"{os.cpu_count()}-core {machine} CPU, gloo over loopback, torch {torch.__version__.split('+')[0]}",
+        "command": "python -m src.forecast --calibrate",
+        "method": "allreduce: median of the benchmarks.process_allreduce timing, fitted on relative error with the "
+                  "ring model; compute: a line through the median step times at several batches, one thread",
+        "repeats": repeats,
+        "seconds_taken": round(time.perf_counter() - started, 1),
+        "allreduce": allreduce,
+        "compute": compute,
+    }
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(cal, indent=1) + "\n")
+    os.replace(tmp, out)
+    print(f"calibration: {out} ({cal['seconds_taken']:.0f} s)")
+    return out

@@ -1,0 +1,140 @@
+"""The scaling predictor against measurements: allreduce on loopback, epoch times on the CPU, d2l.ai's GPU tables.
+
+    python -m benchmarks.forecast_checks allreduce            # fresh timings (about a minute) vs the calibration
+    python -m benchmarks.forecast_checks epoch logs/scaling/lenet/version_0   # a scaling report vs predictions
+    python -m benchmarks.forecast_checks d2l                  # d2l.ai's published figures vs predictions
+
+`allreduce` times `dist.all_reduce` and our ring again (a run independent of the one the calibration was fitted
+on) and compares each with the fitted alpha-beta prediction. The goal, ±30% for P = 2, is judged at three
+sizes fixed in advance: 64 KiB (latency-bound), LeNet's gradient and ResNet-18's gradient.
+
+`epoch` predicts each run of a `python -m src.scaling` report (ddp: `dist.all_reduce`; split_allreduce_processes:
+our ring; single: one replica) at its global batch, strong scaling, and prints predicted against measured
+sec/epoch (medians over the epochs after the first).
+
+`d2l` feeds the model d2l.ai's single-GPU epoch times, our gradient sizes, PCIe 3.0 (assumed interconnect) and
+reduce-to-GPU-0-then-broadcast, and prints its two-GPU predictions next to the chapters' figures.
+"""
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+
+from src.cost_model import Compute, Link, fit_line, predict_step, ring_allreduce_s
+from src.forecast import DEFAULT_CALIBRATION, inspect_network, resolve_compute, resolve_link
+from src.hardware import LINKS
+
+CHECK_SIZES = {65_536: "64 KiB", 516_272: "LeNet", 44_684_072: "ResNet-18"}  # chosen before measuring
+LENET = "src.models.classifier.LeNetClassifier"
+RESNET = "src.models.classifier.ResNet18Classifier"
+
+
+def check_allreduce(calibration: str, processes: list[int], repeats: int) -> None:
+    """Print measured vs predicted allreduce milliseconds for every P and size (fresh measurements)."""
+    from benchmarks.calibrate import measure_allreduce
+
+    cal = json.loads(Path(calibration).read_text())
+    rows = measure_allreduce(processes, repeats)
+    print(f"\ncalibration: {calibration} ({cal['date']}, {cal['hardware']})")
+    print("| P | buffer | bytes | implementation | measured ms | predicted ms | predicted / measured | goal ±30% |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for key, name in (("torch", "dist.all_reduce"), ("ring", "our ring")):
+            fit = cal["allreduce"][key]
+            predicted = ring_allreduce_s(r["p"], r["bytes"], Link(fit["alpha_s"], fit["beta_s_per_byte"]))
+            ratio = predicted / r[key]
+            goal = ("met" if abs(ratio - 1) <= 0.3 else "not met") if (
+                r["p"] == 2 and r["bytes"] in CHECK_SIZES) else "—"
+            label = CHECK_SIZES.get(r["bytes"], f"{r['bytes']:,}")
+            print(f"| {r['p']} | {label} | {r['bytes']:,} | {name} | {r[key] * 1e3:.3f} | {predicted * 1e3:.3f} "
+                  f"| {ratio:.2f} | {goal} |")
+
+
+def check_epoch(report: str, calibration: str, epoch_images: int) -> None:
+    """Print predicted vs measured sec/epoch for each run of a CPU scaling report."""
+    links = {"ddp": "gloo-loopback", "split_allreduce_processes": "gloo-loopback-ours", "single": "gloo-loopback"}
+    net = inspect_network(LENET) if "lenet" in report else inspect_network(RESNET)
+    compute, note = resolve_compute("cpu", net, calibration, None, None)
+    print(f"compute: {compute.overhead_s * 1e3:.2f} ms/step + {compute.seconds_per_image * 1e6:.2f} us/image {note}")
+    print("| strategy | processes | global batch | measured sec/epoch | predicted sec/epoch | predicted / measured "
+          "| goal ±30% |")
+    print("|---|---|---|---|---|---|---|")
+    for row in csv.DictReader(open(Path(report) / "scaling.csv")):
+        if row["strategy"] not in links:
+            print(f"| {row['strategy']} | {row['devices']} | {row['global_batch']} | {float(row['sec_per_epoch']):.2f} "
+                  "| not modelled (replicas in one process share its threads) | | |")
+            continue
+        link, _ = resolve_link(links[row["strategy"]], calibration)
+        p = predict_step("ring", int(row["devices"]), int(row["global_batch"]), "global", compute,
+                         net.gradient_bytes, 2, link, None, 0.0, net.buckets)
+        predicted = math.ceil(epoch_images / p.global_batch) * p.step_s
+        measured = float(row["sec_per_epoch"])
+        goal = "met" if abs(predicted / measured - 1) <= 0.3 else "not met"
+        if row["strategy"] == "single":  # one process uses both cores; the model's device is one core
+            goal = "— (2 threads measured, 1 modelled)"
+        print(f"| {row['strategy']} | {row['devices']} | {row['global_batch']} | {measured:.2f} | {predicted:.2f} "
+              f"| {predicted / measured:.2f} | {goal} |")
+
+
+def check_d2l() -> None:
+    """Print d2l.ai's two-GPU figures next to the model's predictions from its one-GPU figures."""
+    lenet, resnet = inspect_network(LENET), inspect_network(RESNET)
+    steps = math.ceil(60_000 / 256)  # d2l.ai trains on all 60,000 images, batch 256 on one GPU
+    t_lenet, t_resnet = 2.5 / steps, 13.2 / steps
+    # assumed: both chapters' loops pay the same per-step overhead; a line through their one-GPU steps in
+    # (FLOPs per step, seconds) then separates overhead from arithmetic, as for our H100
+    overhead, s_per_flop = fit_line([(256 * lenet.train_flops_per_image, t_lenet),
+                                     (256 * resnet.train_flops_per_image, t_resnet)])
+    print(f"assumed: the same per-step overhead in both chapters -> {overhead * 1e3:.2f} ms/step, "
+          f"{1e-12 / s_per_flop:.1f} TFLOP/s of arithmetic; PCIe 3.0 x16 "
+          f"({LINKS['pcie3'].bandwidth_bytes_s / 1e9:.2f} GB/s, alpha {LINKS['pcie3'].alpha_s * 1e6:.0f} us "
+          "assumed), reduce to GPU 0 then broadcast, no overlap")
+    pcie3 = LINKS["pcie3"].link()
+    cases = [
+        # name, network, one-GPU sec/epoch, batch per device (weak) or global, mode, messages, d2l's 2-GPU figure
+        ("ResNet-18, nn.DataParallel (batch 256 -> 512)", resnet, 13.2, 256, "per_device",
+         math.ceil(resnet.gradient_bytes / 10_485_760), "7.3 (PyTorch version: 9.1)"),
+        ("ResNet-18, from the 13.9 s figure", resnet, 13.9, 256, "per_device",
+         math.ceil(resnet.gradient_bytes / 10_485_760), "7.3 (PyTorch version: 9.1)"),
+        ("LeNet, from scratch (batch 256 both)", lenet, 2.5, 256, "global", 8, "2.5"),
+        ("LeNet, if only half its step were overhead", lenet, 2.5, 256, "global", 8, "2.5"),
+    ]
+    print("| case | 1 GPU sec/epoch (d2l, input) | 2 GPUs d2l sec/epoch | 2 GPUs predicted sec/epoch "
+          "| predicted speedup | exchange ms/step | compute ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for name, net, one_gpu, batch, mode, messages, published in cases:
+        t_step = one_gpu / steps
+        fixed = t_step / 2 if name.startswith("LeNet, if") else overhead  # sensitivity to the assumption
+        compute = Compute(fixed, (t_step - fixed) / 256)
+        two = predict_step("reduce_broadcast", 2, batch, mode, compute, net.gradient_bytes, 8, pcie3, None, 0.0,
+                           messages)
+        predicted = math.ceil(60_000 / two.global_batch) * two.step_s
+        print(f"| {name} | {one_gpu} | {published} | {predicted:.2f} | {one_gpu / predicted:.2f} "
+              f"| {two.exchange_s * 1e3:.2f} | {two.compute_s * 1e3:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("allreduce")
+    a.add_argument("--processes", default="[2, 3, 4]")
+    a.add_argument("--repeats", type=int, default=7)
+    e = sub.add_parser("epoch")
+    e.add_argument("report", help="a scaling report folder, e.g. logs/scaling/lenet/version_0")
+    e.add_argument("--epoch_images", type=int, default=59_000, help="configs/lenet.yaml holds out 1,000")
+    sub.add_parser("d2l")
+    for p in (a, e):
+        p.add_argument("--calibration", default=DEFAULT_CALIBRATION)
+    args = parser.parse_args()
+    if args.what == "allreduce":
+        check_allreduce(args.calibration, json.loads(args.processes), args.repeats)
+    elif args.what == "epoch":
+        check_epoch(args.report, args.calibration, args.epoch_images)
+    else:
+        check_d2l()
+
+
+if __name__ == "__main__":
+    main()

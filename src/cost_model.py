@@ -1,0 +1,342 @@
+"""Time of one data-parallel optimizer step: compute + gradient exchange - the part of it hidden behind backward.
+
+Pure Python (math only), so it can be checked by hand and used without torch.
+
+The exchange follows the latency-bandwidth (alpha-beta-gamma) model of collective communication: a message of
+n bytes costs alpha + n·beta seconds, and reducing n bytes locally costs n·gamma seconds.
+
+* Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
+  International Journal of High Performance Computing Applications 19(1), 2005 (the model; the costs of
+  reduce, broadcast and ring / reduce-scatter + all-gather allreduce).
+* Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", Journal of
+  Parallel and Distributed Computing 69(2), 2009 (the ring allreduce sends 2(p-1)/p·n bytes per device, the
+  least any allreduce can).
+
+Units throughout: seconds, bytes, seconds per byte, images.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ALGORITHMS = ("ring", "reduce_broadcast", "hierarchical")
+
+# Backward costs about twice the forward (each layer computes two products, for the input and the weight
+# gradients, against one in the forward), so it is about 2/3 of a step's compute: the window that gradient
+# buckets can be exchanged in.
+BACKWARD_SHARE = 2 / 3
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between devices in the alpha-beta-gamma model.
+
+    Args:
+        alpha: Latency of one message, seconds.
+        beta: Transfer time per byte, seconds per byte (1 / bandwidth in one direction).
+        gamma: Local reduction time per byte, seconds per byte (0 where the transfer dominates or where a
+            calibration's beta already includes it).
+    """
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+
+def _check(p: int, n: float) -> None:
+    if p < 1:
+        raise ValueError(f"device count must be >= 1, got {p}")
+    if n < 0:
+        raise ValueError(f"gradient bytes must be >= 0, got {n}")
+
+
+def ring_allreduce_s(p: int, n: float, link: Link) -> float:
+    """Seconds of a ring allreduce (reduce-scatter then all-gather) of n bytes over p devices.
+
+    2(p-1)·alpha + 2(p-1)/p·n·beta + (p-1)/p·n·gamma: 2(p-1) rounds, in each every device sends one chunk of
+    n/p bytes to its neighbour; the first p-1 rounds add the received chunk into its own (Thakur et al. 2005,
+    sec. 4.4; Patarasuk & Yuan 2009).
+
+    Args:
+        p: Devices (world size), >= 1.
+        n: Bytes of gradient on each device.
+        link: The slowest link the ring crosses: every round waits for it.
+
+    Returns:
+        Seconds; 0 for p = 1.
+    """
+    _check(p, n)
+    if p == 1:
+        return 0.0
+    return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * n * link.beta + (p - 1) / p * n * link.gamma
+
+
+def reduce_broadcast_s(p: int, n: float, link: Link) -> float:
+    """Seconds of reduce-to-one-device then broadcast (d2l.ai's allreduce, `nn.DataParallel`) of n bytes.
+
+    2(p-1)·(alpha + n·beta) + (p-1)·n·gamma: the root receives and adds the p-1 other devices' whole buffers
+    one after another, then sends the sum to each of them (linear reduce and broadcast, Thakur et al. 2005,
+    sec. 2): the root's link carries 2(p-1)·n bytes while the others carry 2n.
+
+    Args:
+        p: Devices, >= 1.
+        n: Bytes of gradient on each device.
+        link: The root's link.
+
+    Returns:
+        Seconds; 0 for p = 1.
+    """
+    _check(p, n)
+    if p == 1:
+        return 0.0
+    return 2 * (p - 1) * (link.alpha + n * link.beta) + (p - 1) * n * link.gamma
+
+
+def hierarchical_s(p: int, n: float, per_node: int, intra: Link, inter: Link) -> float:
+    """Seconds of a two-level allreduce: intra-node reduce-scatter, inter-node ring, intra-node all-gather.
+
+    Horovod's hierarchical allreduce (Sergeev & Del Balso 2018): the g devices of a node reduce-scatter on the
+    fast link (each keeps the node's sum of n/g bytes), device k of every node allreduces its n/g bytes with
+    device k of the other nodes in a ring over the inter-node link (the g rings run side by side, one
+    network port per device), and an all-gather inside the node gives every device every chunk. Intra-node
+    reduce-scatter + all-gather cost what a ring allreduce over g devices costs.
+
+    Args:
+        p: Devices in all, >= 1.
+        n: Bytes of gradient on each device.
+        per_node: Devices per node g, >= 1; nodes = ceil(p / g), and a job within one node is one intra ring.
+        intra: Link between devices of a node.
+        inter: Link between nodes (per device).
+
+    Returns:
+        Seconds.
+    """
+    _check(p, n)
+    if per_node < 1:
+        raise ValueError(f"devices per node must be >= 1, got {per_node}")
+    g = min(p, per_node)
+    nodes = math.ceil(p / g)
+    return ring_allreduce_s(g, n, intra) + ring_allreduce_s(nodes, n / g, inter)
+
+
+def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, inter: Link | None,
+                messages: int = 1) -> float:
+    """Seconds of one step's gradient exchange with `algorithm`, within one node or across nodes.
+
+    A flat algorithm (ring, reduce_broadcast) that spans nodes is timed on the inter-node link: every round
+    of the ring waits for its slowest hop, and the root of reduce_broadcast receives from (and sends to) the
+    intra-node devices on the fast link and the others on the inter-node link.
+
+    Args:
+        algorithm: "ring", "reduce_broadcast" or "hierarchical".
+        p: Devices in all, >= 1.
+        n: Bytes of gradient per device.
+        per_node: Devices per node.
+        intra: Link inside a node.
+        inter: Link between nodes; needed only when p > per_node.
+        messages: Separate allreduce calls per step (gradient buckets, or one per parameter tensor as in d2l.ai's
+            from-scratch code), each of n / messages bytes: each pays the latency terms.
+
+    Returns:
+        Seconds.
+
+    Raises:
+        ValueError: Unknown algorithm, p < 1, messages < 1, or p > per_node without an inter-node link.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if messages < 1:
+        raise ValueError(f"messages per step must be >= 1, got {messages}")
+    _check(p, n)
+    if p > per_node and inter is None:
+        raise ValueError(f"{p} devices need more than one node of {per_node}: give an inter-node link")
+    chunk = n / messages
+    if algorithm == "hierarchical" or p <= per_node:
+        if algorithm == "reduce_broadcast":
+            return messages * reduce_broadcast_s(p, chunk, intra)
+        if algorithm == "ring":
+            return messages * ring_allreduce_s(p, chunk, intra)
+        return messages * hierarchical_s(p, chunk, per_node, intra, inter or intra)
+    if algorithm == "ring":
+        return messages * ring_allreduce_s(p, chunk, inter)
+    # reduce_broadcast across nodes: the root's per_node - 1 neighbours on the fast link, the rest remote
+    local, remote = per_node - 1, p - per_node
+    root = (2 * local * (intra.alpha + chunk * intra.beta) + 2 * remote * (inter.alpha + chunk * inter.beta)
+            + (p - 1) * chunk * max(intra.gamma, inter.gamma))
+    return messages * root
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Compute time of one replica's forward + backward + optimizer step: overhead + images · seconds_per_image.
+
+    Args:
+        overhead_s: Fixed seconds per step and replica (kernel launches, Python, the training loop), paid
+            however few images the replica gets: why a small network such as LeNet gains little from more
+            devices at a fixed global batch.
+        seconds_per_image: Seconds per image of the replica's share of the batch.
+    """
+
+    overhead_s: float
+    seconds_per_image: float
+
+    def step_s(self, images: float) -> float:
+        """Seconds for `images` images on one replica."""
+        return self.overhead_s + images * self.seconds_per_image
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One predicted step; every time in seconds, throughput in images/s."""
+
+    algorithm: str
+    devices: int
+    nodes: int
+    global_batch: int
+    images_per_replica: float
+    compute_s: float
+    exchange_s: float
+    hidden_s: float
+    step_s: float
+    images_per_s: float
+    speedup: float
+    efficiency: float
+
+
+def global_batch_for(batch_size: int, devices: int, batch_mode: str) -> int:
+    """The global batch at `devices` devices.
+
+    Args:
+        batch_size: Per-device batch ("per_device", weak scaling: the global batch grows with the devices, as
+            d2l.ai doubles it from 256 to 512 for two GPUs) or global batch ("global", strong scaling).
+        devices: Devices, >= 1.
+        batch_mode: "per_device" or "global".
+
+    Returns:
+        Images per optimizer step.
+
+    Raises:
+        ValueError: Unknown mode, or a global batch smaller than the devices (some replica would get nothing).
+    """
+    if batch_mode == "per_device":
+        return batch_size * devices
+    if batch_mode != "global":
+        raise ValueError(f"unknown batch mode {batch_mode!r}; choose per_device (weak scaling) or global (strong)")
+    if batch_size < devices:
+        raise ValueError(f"a global batch of {batch_size} cannot be split over {devices} devices; use batch mode "
+                         "per_device (weak scaling) or fewer devices")
+    return batch_size
+
+
+def predict_step(algorithm: str, devices: int, batch_size: int, batch_mode: str, compute: Compute, n_bytes: float,
+                 per_node: int, intra: Link, inter: Link | None, overlap: float = 0.0,
+                 messages: int = 1) -> StepPrediction:
+    """Predict one optimizer step: compute + exchange - min(overlap · exchange, backward time).
+
+    Args:
+        algorithm: "ring", "reduce_broadcast" or "hierarchical".
+        devices: Devices (replicas), >= 1.
+        batch_size: Per-device or global batch, per `batch_mode`.
+        batch_mode: "per_device" (weak scaling) or "global" (strong scaling).
+        compute: Per-replica compute model.
+        n_bytes: Gradient bytes per replica (parameters · 4 for float32 gradients).
+        per_node: Devices per node.
+        intra: Link inside a node.
+        inter: Link between nodes (None: one node only).
+        overlap: Share (0..1) of the exchange that can run during backward (buckets sent as soon as backward
+            has produced them); the hidden time is also capped at the backward time, 2/3 of the compute.
+        messages: Allreduce calls per step (see `allreduce_s`).
+
+    Returns:
+        The prediction; speedup is throughput over one device's at the same per-device (weak) or global
+        (strong) batch, efficiency = speedup / devices.
+
+    Raises:
+        ValueError: Bad device count, overlap outside [0, 1], batch mode or algorithm.
+    """
+    if devices < 1:
+        raise ValueError(f"device count must be >= 1, got {devices}")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be between 0 and 1, got {overlap}")
+    batch = global_batch_for(batch_size, devices, batch_mode)
+    per_replica = batch / devices
+    compute_s = compute.step_s(per_replica)
+    exchange_s = allreduce_s(algorithm, devices, n_bytes, per_node, intra, inter, messages)
+    hidden_s = min(overlap * exchange_s, BACKWARD_SHARE * per_replica * compute.seconds_per_image)
+    step_s = compute_s + exchange_s - hidden_s
+    single_batch = global_batch_for(batch_size, 1, batch_mode)
+    single_ips = single_batch / compute.step_s(single_batch)
+    ips = batch / step_s
+    return StepPrediction(algorithm, devices, math.ceil(devices / per_node), batch, per_replica, compute_s,
+                          exchange_s, hidden_s, step_s, ips, ips / single_ips, ips / single_ips / devices)
+
+
+def fit_alpha_beta(samples: Sequence[tuple[int, float, float]], algorithm: str = "ring") -> tuple[float, float]:
+    """Least-squares alpha and beta from measured allreduce times, fitted on relative error.
+
+    Each sample is (p devices, n bytes, measured seconds). The model time is linear in (alpha, beta):
+    t = a(p)·alpha + b(p, n)·beta, with a = 2(p-1), b = 2(p-1)/p·n for the ring (b = 2(p-1)·n for
+    reduce_broadcast); gamma is folded into beta. Residuals are divided by the measured time, so that a 4 KiB
+    call counts as much as a 64 MiB one. If the unconstrained fit gives a negative parameter, that one is set
+    to 0 and the other refitted.
+
+    Args:
+        samples: (p, n bytes, seconds) triples, p >= 2, at least two distinct a/b ratios.
+        algorithm: "ring" or "reduce_broadcast" (the shape of the measured allreduce).
+
+    Returns:
+        (alpha seconds, beta seconds per byte).
+
+    Raises:
+        ValueError: Too few or degenerate samples.
+    """
+    rows = []
+    for p, n, t in samples:
+        if p < 2 or t <= 0:
+            raise ValueError(f"every sample needs p >= 2 and a positive time, got {(p, n, t)}")
+        a = 2 * (p - 1)
+        b = 2 * (p - 1) / p * n if algorithm == "ring" else 2 * (p - 1) * n
+        rows.append((a / t, b / t))  # weighted by 1 / t: the target becomes 1
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    if len(rows) < 2 or det <= 1e-12 * saa * sbb:
+        raise ValueError("need samples of at least two sizes (or device counts) to fit alpha and beta")
+    alpha = (sa * sbb - sb * sab) / det
+    beta = (saa * sb - sab * sa) / det
+    if alpha < 0:
+        alpha, beta = 0.0, sb / sbb
+    elif beta < 0:
+        alpha, beta = sa / saa, 0.0
+    return alpha, beta
+
+
+def relative_errors(samples: Sequence[tuple[int, float, float]], alpha: float, beta: float,
+                    algorithm: str = "ring") -> list[float]:
+    """(predicted - measured) / measured for each (p, n bytes, seconds) sample under alpha, beta."""
+    fn = ring_allreduce_s if algorithm == "ring" else reduce_broadcast_s
+    return [(fn(p, n, Link(alpha, beta)) - t) / t for p, n, t in samples]
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Ordinary least-squares line y = intercept + slope·x, e.g. step seconds against images per step.
+
+    Args:
+        points: (x, y) pairs with at least two distinct x.
+
+    Returns:
+        (intercept, slope).
+
+    Raises:
+        ValueError: Fewer than two distinct x.
+    """
+    xs = [x for x, _ in points]
+    if len(set(xs)) < 2:
+        raise ValueError("need at least two distinct x values to fit a line")
+    mx = sum(xs) / len(xs)
+    my = sum(y for _, y in points) / len(points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope

@@ -1,0 +1,202 @@
+"""Scaling predictor: alpha-beta formulas on hand-computed cases, fits on synthetic timings, the CLI's files and
+its one-line errors. CPU only, no data files, a few seconds."""
+
+import csv
+import json
+import random
+
+import pytest
+
+from src.cost_model import (Compute, Link, allreduce_s, fit_alpha_beta, fit_line, hierarchical_s, predict_step,
+                            reduce_broadcast_s, relative_errors, ring_allreduce_s)
+from src.forecast import inspect_network, main
+
+BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link
+
+
+def test_ring_sends_2_p_minus_1_over_p_of_the_buffer_per_device():
+    assert ring_allreduce_s(4, 1000, BYTES) == pytest.approx(1500)  # 2 * 3 / 4 * 1000
+    assert ring_allreduce_s(2, 1000, BYTES) == pytest.approx(1000)
+    # 2(p-1) rounds of latency: p = 4, alpha 1 ms, beta 1 us/byte, n 1000 -> 6 ms + 1.5 ms
+    assert ring_allreduce_s(4, 1000, Link(1e-3, 1e-6)) == pytest.approx(7.5e-3)
+    # local reduction: (p-1)/p * n * gamma
+    assert ring_allreduce_s(4, 1000, Link(0.0, 0.0, 1e-6)) == pytest.approx(0.75e-3)
+    assert ring_allreduce_s(1, 1000, Link(1.0, 1.0)) == 0.0
+    # the bytes per device approach 2n, never more, however many devices
+    assert ring_allreduce_s(1024, 1000, BYTES) < 2000
+
+
+def test_reduce_broadcast_is_bottlenecked_at_the_root():
+    # the root receives 3 buffers and sends 3: 6n bytes, four times the ring's 1.5n
+    assert reduce_broadcast_s(4, 1000, BYTES) == pytest.approx(6000)
+    assert reduce_broadcast_s(4, 1000, BYTES) / ring_allreduce_s(4, 1000, BYTES) == pytest.approx(4.0)
+    assert reduce_broadcast_s(3, 1000, Link(1e-3, 1e-6, 1e-6)) == pytest.approx(4 * (1e-3 + 1e-3) + 2 * 1e-3)
+    # two devices: each sends n bytes in both, but the ring sends and receives at once (two half-buffer rounds)
+    # while the root receives n, then sends n
+    assert reduce_broadcast_s(2, 1000, BYTES) == pytest.approx(2 * ring_allreduce_s(2, 1000, BYTES))
+
+
+def test_hierarchical_rings_inside_then_between_nodes():
+    intra, inter = Link(1e-6, 1e-9), Link(1e-5, 1e-8)
+    n = 8_000_000
+    # 16 devices, 8 per node: a ring over 8 on the fast link, then 2 nodes exchange n / 8 bytes per device
+    expected = (14 * 1e-6 + 14 / 8 * n * 1e-9) + (2 * 1e-5 + 1.0 * n / 8 * 1e-8)
+    assert hierarchical_s(16, n, 8, intra, inter) == pytest.approx(expected)
+    assert hierarchical_s(8, n, 8, intra, inter) == pytest.approx(ring_allreduce_s(8, n, intra))
+    # across nodes the flat ring runs at the slow link's pace, the hierarchical one sends n / 8 over it
+    assert allreduce_s("ring", 16, n, 8, intra, inter) == pytest.approx(ring_allreduce_s(16, n, inter))
+    assert allreduce_s("hierarchical", 16, n, 8, intra, inter) < allreduce_s("ring", 16, n, 8, intra, inter)
+    # reduce_broadcast across nodes: the root's 7 local neighbours on the fast link, 8 remote ones on the slow
+    assert allreduce_s("reduce_broadcast", 16, 1000, 8, BYTES, Link(0.0, 2.0)) == pytest.approx(
+        2 * 7 * 1000 + 2 * 8 * 2000)
+    # each of several messages pays the latency
+    assert allreduce_s("ring", 4, 1000, 8, Link(1e-3, 0.0), None, messages=3) == pytest.approx(3 * 6e-3)
+    with pytest.raises(ValueError, match="inter-node link"):
+        allreduce_s("ring", 16, n, 8, intra, None)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        allreduce_s("tree", 4, n, 8, intra, inter)
+
+
+def test_fit_recovers_alpha_and_beta_from_synthetic_timings():
+    alpha, beta = 250e-6, 1 / 1.3e9
+    sizes = [4096, 65536, 516_272, 2**20, 16 * 2**20, 44_684_072, 64 * 2**20]
+    exact = [(p, n, ring_allreduce_s(p, n, Link(alpha, beta))) for p in (2, 3, 4) for n in sizes]
+    a, b = fit_alpha_beta(exact)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+    assert max(map(abs, relative_errors(exact, a, b))) < 1e-9
+    rng = random.Random(0)
+    noisy = [(p, n, t * (1 + rng.uniform(-0.05, 0.05))) for p, n, t in exact]
+    a, b = fit_alpha_beta(noisy)
+    assert a == pytest.approx(alpha, rel=0.1) and b == pytest.approx(beta, rel=0.1)
+    # reduce_broadcast's shape: 2(p-1)(alpha + n beta)
+    rb = [(p, n, reduce_broadcast_s(p, n, Link(alpha, beta))) for p in (2, 4) for n in sizes]
+    assert fit_alpha_beta(rb, "reduce_broadcast") == pytest.approx((alpha, beta), rel=1e-9)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_alpha_beta([(2, 1000, 1e-3)])
+
+
+def test_fit_line_recovers_overhead_and_seconds_per_image():
+    points = [(b, 0.004 + b * 30e-6) for b in (32, 128, 256)]
+    overhead, per_image = fit_line(points)
+    assert overhead == pytest.approx(0.004) and per_image == pytest.approx(30e-6)
+
+
+def test_overhead_keeps_a_small_network_from_speeding_up_at_a_fixed_global_batch():
+    lenet_like = Compute(overhead_s=10e-3, seconds_per_image=1e-6)  # overhead dominates the step
+    resnet_like = Compute(overhead_s=1e-3, seconds_per_image=200e-6)
+    link = Link(10e-6, 1 / 15.75e9)
+    small = predict_step("reduce_broadcast", 2, 256, "global", lenet_like, 516_272, 8, link, None)
+    big = predict_step("reduce_broadcast", 2, 256, "global", resnet_like, 44_684_072, 8, link, None)
+    assert small.speedup < 1.05 and big.speedup > 1.6
+    one = predict_step("ring", 1, 256, "per_device", resnet_like, 44_684_072, 8, link, None)
+    assert one.exchange_s == 0 and one.efficiency == pytest.approx(1.0)
+    # weak scaling: the global batch doubles, compute per replica stays, the exchange is added
+    two = predict_step("ring", 2, 256, "per_device", resnet_like, 44_684_072, 8, link, None)
+    assert two.global_batch == 512 and two.compute_s == pytest.approx(one.compute_s)
+    assert two.step_s == pytest.approx(one.step_s + two.exchange_s)
+    # overlap hides part of the exchange, never more than the backward (2/3 of the images' compute)
+    hidden = predict_step("ring", 2, 256, "per_device", resnet_like, 44_684_072, 8, link, None, overlap=1.0)
+    assert hidden.hidden_s == pytest.approx(min(two.exchange_s, 2 / 3 * 256 * 200e-6))
+    with pytest.raises(ValueError, match="cannot be split"):
+        predict_step("ring", 512, 256, "global", resnet_like, 1000, 8, link, Link(0, 0))
+
+
+def test_inspect_network_counts_gradient_bytes_and_buckets():
+    lenet = inspect_network("src.models.classifier.LeNetClassifier")
+    assert (lenet.parameters, lenet.gradient_bytes, lenet.buckets) == (129_068, 516_272, 1)
+    assert lenet.last_bucket_share == 1.0
+    resnet = inspect_network("src.models.classifier.ResNet18Classifier", {"channels_last": True})
+    assert resnet.gradient_bytes == 44_684_072 and resnet.buckets == 2 and 0 < resnet.last_bucket_share < 1
+    assert resnet.train_flops_per_image > 100 * lenet.train_flops_per_image
+
+
+def _calibration(path):
+    samples = [[2, n, ring_allreduce_s(2, n, Link(2e-4, 1e-9))] for n in (4096, 2**20, 2**26)]
+    fit = {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9, "samples": samples,
+           "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}
+    path.write_text(json.dumps({
+        "date": "2000-01-01", "hardware": "synthetic", "allreduce": {"torch": fit, "ring": fit},
+        "compute": {"LeNetClassifier": {"overhead_s": 0.004, "seconds_per_image": 50e-6, "threads": 1,
+                                        "samples": [[32, 0.0056], [256, 0.0168]],
+                                        "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}}}))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model:\n  class_path: src.models.classifier.LeNetClassifier\n  init_args: {lr: 0.1}\n"
+                      "data:\n  batch_size: 8\n  val_size: 100\n")
+    return config, _calibration(tmp_path / "cal.json")
+
+
+def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
+    config, cal = tiny
+    scaling = tmp_path / "scaling" / "tiny" / "version_0"
+    scaling.mkdir(parents=True)
+    (scaling / "scaling.md").write_text("# tiny: single, ddp on cpu, 2 epoch(s) each\n")
+    (scaling / "scaling.csv").write_text("strategy,devices,global_batch,sec_per_epoch,images_per_s,"
+                                         "speedup_vs_single,efficiency,final_val_acc\n"
+                                         "single,1,8,1.0,100.0,1.0,1.0,0.5\nddp,2,8,1.0,120.0,1.2,0.6,0.5\n")
+    out = main(["--config", str(config), "--hardware", "cpu-2core", "--devices", "[1, 2, 4]", "--calibration",
+                str(cal), "--out", str(tmp_path / "fc"), "--scaling_dir", str(tmp_path / "scaling")])
+    assert out == tmp_path / "fc" / "tiny" / "version_0"
+    rows = list(csv.DictReader(open(out / "forecast.csv")))
+    assert [(r["algorithm"], r["devices"]) for r in rows] == [
+        (a, d) for a in ("ring", "reduce_broadcast", "hierarchical") for d in ("1", "2", "4")]
+    ring2 = rows[1]
+    # weak scaling by default: 8 per device, step = 4 ms + 8 * 50 us + the fitted loopback allreduce
+    assert ring2["global_batch"] == "16"
+    assert float(ring2["step_ms"]) == pytest.approx(4.4 + 1e3 * ring_allreduce_s(2, 516_272, Link(2e-4, 1e-9)))
+    assert float(ring2["sec_per_epoch"]) == pytest.approx(59_900 / 16 * float(ring2["step_ms"]) / 1e3, rel=1e-3)
+    md = (out / "forecast.md").read_text()
+    assert "Predicted, not measured." in md and "[measured" in md and "[assumed]" in md and "[published]" in md
+    assert "Measured points drawn on the plot" in md
+    assert (out / "forecast.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "predicted (not measured)" in capsys.readouterr().out
+    # a second run goes to the next version; a GPU preset needs no calibration file; strong scaling
+    again = main(["--config", str(config), "--hardware", "h100-nvlink", "--devices", "[1, 8, 16]", "--batch_mode",
+                  "global", "--batch_size", "64", "--calibration", str(tmp_path / "absent.json"),
+                  "--out", str(tmp_path / "fc")])
+    assert again.name == "version_1"
+    rows = list(csv.DictReader(open(again / "forecast.csv")))
+    assert {r["global_batch"] for r in rows} == {"64"} and rows[2]["nodes"] == "2"
+
+
+def test_user_numbers_replace_the_presets(tiny, tmp_path):
+    config, _ = tiny
+    out = main(["--config", str(config), "--hardware", "gpu-pcie3", "--devices", "[2]", "--algorithms",
+                '["reduce_broadcast"]', "--seconds_per_image", "1e-4", "--overhead_s", "0.01", "--alpha_s", "0",
+                "--beta_s_per_byte", "1e-9", "--overlap", "0", "--messages", "1", "--out", str(tmp_path / "fc")])
+    row = next(csv.DictReader(open(out / "forecast.csv")))
+    assert float(row["step_ms"]) == pytest.approx(10 + 8 * 0.1 + 2 * 516_272 * 1e-6)  # 8 images per device
+    assert "[user]" in (out / "forecast.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "tpu-pod"], "unknown hardware preset 'tpu-pod'; choose one of: cpu-2core, gpu-pcie3"),
+    (["--devices", "[0, 2]"], "device counts must be >= 1, got [0]"),
+    (["--calibration", "missing.json"], "python -m src.forecast --calibrate"),
+    (["--hardware", "gpu-pcie3"], "give --seconds_per_image and --overhead_s"),
+    (["--intra_link", "carrier-pigeon"], "unknown link 'carrier-pigeon'; choose one of: pcie3"),
+])
+def test_bad_input_gives_one_line(tiny, tmp_path, args, message):
+    config, cal = tiny
+    base = ["--config", str(config), "--calibration", str(cal), "--out", str(tmp_path / "fc")]
+    if "--calibration" in args:
+        base = base[:2] + ["--out", str(tmp_path / "fc")]
+    with pytest.raises(SystemExit) as err:
+        main([*base, *args])
+    text = str(err.value)
+    assert message in text and "\n" not in text and text.startswith("python -m src.forecast: error:")
+    assert not (tmp_path / "fc").exists()  # nothing written
+
+
+def test_bare_calibrate_flag_runs_the_calibration(monkeypatch, tmp_path):
+    import benchmarks.calibrate
+
+    calls = []
+    monkeypatch.setattr(benchmarks.calibrate, "calibrate", lambda *args: calls.append(args) or tmp_path / "c.json")
+    assert main(["--calibrate", "--calibration", str(tmp_path / "c.json")]) == tmp_path / "c.json"
+    assert calls == [(str(tmp_path / "c.json"), ["configs/lenet.yaml", "configs/resnet18.yaml"], [2, 3, 4], 7)]
+    assert main(["--calibration", str(tmp_path / "c.json"), "--calibrate"]) == tmp_path / "c.json"  # flag last
