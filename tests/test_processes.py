@@ -10,7 +10,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import StopAfterEpoch, ddp, fit, max_param_diff
+from tests.helpers.runs import ddp, fit, max_param_diff, stop_then_resume
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -107,18 +107,8 @@ MAKERS = {"single": lambda: ("auto", 1), "ddp": lambda: (ddp(), 2),
 @pytest.mark.parametrize("first, then", [("ours 2x2", "ddp"), ("ddp", "ours 2x2"), ("ours 2x2", "single"),
                                          ("single", "ours 2x2")])
 def test_checkpoints_resume_across_strategies(tiny_data_dir, tmp_path, first, then):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    common = dict(steps=-1, batch_size=100, model_kwargs={"scheduler": "cosine"})
-    reference, _, _ = fit(tiny_data_dir, max_epochs=2, **common)
-    strategy, devices = MAKERS[first]()
-    fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True), StopAfterEpoch(0)], **common)
-    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, MAKERS[first](), MAKERS[then]())
     assert ckpt["epoch"] == 0 and sorted(ckpt["state_dict"]) == sorted(reference.state_dict())  # today's keys
-    strategy, devices = MAKERS[then]()
-    resumed, _, _ = fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
-                        **common)
     assert max_param_diff(resumed, reference) <= 1e-9
 
 

@@ -8,7 +8,7 @@ from src.cli import main
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import StopAfterEpoch, ddp, fit, max_param_diff
+from tests.helpers.runs import ddp, fit, max_param_diff, stop_then_resume
 
 
 def _first_batch_loss(model, data_dir) -> float:
@@ -32,18 +32,8 @@ def test_single_ours_and_ddp_take_the_same_steps(tiny_data_dir):
 @pytest.mark.parametrize("first, then", [("ddp", "ours"), ("ours", "ddp")])
 def test_checkpoints_resume_across_strategies(tiny_data_dir, tmp_path, first, then):
     make = {"ddp": lambda: (ddp(), 2), "ours": lambda: (SplitAllreduceStrategy(devices=["cpu", "cpu"]), 1)}
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    common = dict(steps=-1, batch_size=100, model_kwargs={"scheduler": "cosine"})
-    reference, _, _ = fit(tiny_data_dir, max_epochs=2, **common)
-    strategy, devices = make[first]()
-    fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True), StopAfterEpoch(0)], **common)
-    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, make[first](), make[then]())
     assert ckpt["epoch"] == 0 and not any(k.startswith("module.") for k in ckpt["state_dict"])
-    strategy, devices = make[then]()
-    resumed, _, _ = fit(tiny_data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
-                        **common)
     assert max_param_diff(resumed, reference) <= 1e-9
 
 

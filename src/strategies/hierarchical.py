@@ -44,7 +44,8 @@ def two_level_allreduce_(buffers: Sequence[Tensor], algorithm: str, between: Bet
         chunks = ring_chunks(buffers)
         for k in range(len(buffers)):
             chunk = chunks[k][owned_chunk(k, len(buffers))]
-            sent[k] += between(chunk) or 0 if chunk.numel() else 0
+            if chunk.numel():  # the same chunk sizes on every process, so all skip alike
+                sent[k] += between(chunk) or 0
         return [a + b for a, b in zip(sent, all_gather_(buffers))]
     sent = reduce_(buffers)
     sent[0] += between(buffers[0]) or 0

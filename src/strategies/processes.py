@@ -147,8 +147,3 @@ class ProcessesParallelStrategy(ParallelStrategy):
             super().teardown()
         else:
             Strategy.teardown(self)
-
-    def process_group_alive(self) -> bool:
-        """Whether collectives between processes can run now (several processes, group initialised)."""
-        return self.multi_process and dist.is_available() and dist.is_initialized()
-

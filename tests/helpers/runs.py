@@ -76,3 +76,24 @@ def assert_replicas_bitwise_equal(snapshot: ReplicaSnapshot, expected: int) -> N
     for state in snapshot.states[1:]:
         for name, t in snapshot.states[0].items():
             assert torch.equal(t, state[name]), f"replica differs at {name}"
+
+
+def stop_then_resume(data_dir: Path, ckpt_dir: Path, first: tuple, then: tuple) -> tuple:
+    """Two epochs on one device as the reference; one epoch under `first` (strategy, devices) saving last.ckpt to
+    `ckpt_dir`; then that checkpoint resumed under `then` to the end of epoch 2.
+
+    Returns:
+        (reference model, the saved checkpoint dict, resumed model).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    common = dict(steps=-1, batch_size=100, model_kwargs={"scheduler": "cosine"})
+    reference, _, _ = fit(data_dir, max_epochs=2, **common)
+    strategy, devices = first
+    fit(data_dir, strategy, devices=devices, max_epochs=2, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True), StopAfterEpoch(0)], **common)
+    ckpt = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    strategy, devices = then
+    resumed, _, _ = fit(data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(ckpt_dir / "last.ckpt"),
+                        **common)
+    return reference, ckpt, resumed
