@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.models import LeNet, ResNet18
-from src.strategies.allreduce import allreduce_
+from src.strategies.comm.allreduce import allreduce_
 
 SIZES = {"LeNet": sum(p.numel() for p in LeNet().parameters()),
          "ResNet-18": sum(p.numel() for p in ResNet18().parameters())}

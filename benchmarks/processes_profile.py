@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
-from src.strategies import gradient_exchange
+from src.strategies.comm import gradient_exchange
 
 SECONDS: dict[str, list[float]] = collections.defaultdict(list)
 WARMUP = 20

@@ -1,5 +1,4 @@
-"""LeNet and ResNet-18 on Fashion-MNIST with data parallelism chosen by config."""
+"""LeNet and ResNet-18 on Fashion-MNIST with data parallelism chosen by config.
 
-from src.strategies.cleanup import register as _register_process_group_cleanup
-
-_register_process_group_cleanup()  # any process that imports this package, spawned DDP workers included
+Importing this package does nothing: each tool (`src.cli`, `src.scaling`, `src.forecast`) loads what it needs.
+"""

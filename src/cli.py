@@ -11,20 +11,21 @@ from pathlib import Path
 from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-import src.strategies  # noqa: F401  registers our strategies before any Trainer is built
-from src.callbacks import EpochReport
+import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce` before any Trainer is built
+from src.callbacks import EpochReport, PredictionWriter, ProcessGroupCleanup
 from src.data.fashion_mnist import FashionMNISTDataModule
-from src.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
-from src.launch_checks import check_before_run, check_checkpoint, resolve_last_checkpoint
-from src.lightning_compat import give_lost_rank_reports_time
 from src.models.classifier import ImageClassifier
-from src.prediction_writer import PredictionWriter
-from src.run_logger import RunLogger, run_hparams, run_tag
+from src.run.checkpoints import check_checkpoint, resolve_last_checkpoint
+from src.run.cleanup import register as register_process_group_cleanup
+from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
+from src.run.launch_checks import check_before_run
+from src.run.lightning_compat import give_lost_rank_reports_time
+from src.run.logger import RunLogger, run_hparams, run_tag
 
 
 class CLI(LightningCLI):
     """LightningCLI plus `--test_after_fit` (evaluate the best checkpoint on the test set after fit) and the
-    launch checks of `src.launch_checks`, run before any subcommand starts (and before DDP spawns processes)."""
+    launch checks of `src.run.launch_checks`, run before any subcommand starts (and before DDP spawns processes)."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=False,
@@ -40,12 +41,16 @@ class CLI(LightningCLI):
         # Runs go under trainer.default_root_dir (configs/defaults.yaml: logs) unless the logger's save_dir is given
         trainer = self.config[self.subcommand].trainer
         logger = trainer.get("logger")
-        if getattr(logger, "class_path", None) == f"{RunLogger.__module__}.{RunLogger.__name__}":
+        # the second name is RunLogger's old path, in the config.yaml of runs saved before it moved
+        if getattr(logger, "class_path", None) in (f"{RunLogger.__module__}.{RunLogger.__name__}",
+                                                    "src.run_logger.RunLogger"):
             if logger.init_args.get("save_dir") is None:
                 logger.init_args.save_dir = trainer.get("default_root_dir") or "logs"
 
     def _check(self) -> None:
         check_before_run(self.trainer, self.datamodule)
+        if not any(isinstance(c, ProcessGroupCleanup) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(ProcessGroupCleanup())  # reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
         logger = self.trainer.logger
         if isinstance(logger, RunLogger):
@@ -126,6 +131,7 @@ def run(argv: list[str] | None = None) -> int:
         0 on success, 2 after an error (printed to stderr).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    register_process_group_cleanup()  # this process, and DDP's popen children and torchrun workers, which run this
     give_lost_rank_reports_time()
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     saved_env = os.environ.get(DEBUG_ENV)

@@ -35,6 +35,44 @@ def shard_sizes(n: int, weights: Sequence[float]) -> list[int]:
     return sizes
 
 
+class ReplicaShares:
+    """How P processes x K replicas share every global batch: each replica's weight and each rank's share.
+
+    The one place of the P x K share arithmetic: the strategy cuts a rank's part by `replica_weights`, and the
+    DataModule's sampler cuts the global batch into ranks' parts by `rank_shares`.
+
+    Args:
+        split_weights: One positive weight per replica of the job, rank 0's K replicas first; None or "auto"
+            give equal weights (until `fix` sets measured ones).
+        processes: P.
+        replicas_per_process: K.
+    """
+
+    def __init__(self, split_weights: Sequence[float] | str | None, processes: int, replicas_per_process: int) -> None:
+        self.processes, self.replicas_per_process = processes, replicas_per_process
+        equal = split_weights is None or isinstance(split_weights, str)
+        self.weights = [1.0] * processes * replicas_per_process if equal else [float(w) for w in split_weights]
+        self.rank_shares: list[float] = []  # the same list object for the whole run: samplers keep it
+        self.fix(self.weights)
+
+    def replica_weights(self, rank: int) -> list[float]:
+        """Rank `rank`'s K replica weights: how it cuts its part of a global batch into shards."""
+        k = self.replicas_per_process
+        return self.weights[rank * k:(rank + 1) * k]
+
+    def fix(self, weights: Sequence[float]) -> None:
+        """Set every replica's weight, P x K of them; `rank_shares` (each rank's sum) changes in place."""
+        k = self.replicas_per_process
+        self.weights = [float(w) for w in weights]
+        self.rank_shares[:] = [sum(self.weights[r * k:(r + 1) * k]) for r in range(self.processes)]
+
+
+def replicas_text(processes: int, replicas_per_process: int) -> str:
+    """P x K replicas in words, for messages: e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
+    return f"replicas ({processes} process{'es' if processes > 1 else ''} x {replicas_per_process}; rank 0's " \
+           "replicas first)"
+
+
 def check_split_weights(weights: Sequence[float] | str | None, num_replicas: int | None = None,
                         replicas: str = "replicas") -> None:
     """`split_weights` must be None, "auto", or one positive number per replica.

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = """
 import sys, torch
-from src.checkpoint_io import AtomicCheckpointIO
+from src.run.checkpoints import AtomicCheckpointIO
 path, mode = sys.argv[1], sys.argv[2]
 save = AtomicCheckpointIO().save_checkpoint if mode == "atomic" else (lambda obj, p: torch.save(obj, p))
 save({"which": "first", "w": torch.zeros(3)}, path)

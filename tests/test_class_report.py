@@ -6,7 +6,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.data.fashion_mnist import FashionMNISTDataModule
-from src.class_report import ClassReport, per_class_accuracy, tag_safe
+from src.callbacks.class_report import ClassReport, per_class_accuracy, tag_safe
 from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import ddp, fit
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.sharding import shard_sizes
-from src.strategies.process_allreduce import process_allreduce, ring_allreduce_, torch_allreduce_
+from src.strategies.comm.process_allreduce import process_allreduce, ring_allreduce_, torch_allreduce_
 from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.slow  # starts processes of its own

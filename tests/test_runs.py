@@ -6,7 +6,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from src.cli import main, run
-from src.run_logger import run_tag
+from src.run.logger import run_tag
 from src.strategies import SplitAllreduceStrategy
 
 LENET = ["--config", "configs/lenet.yaml"]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpoint_io import AtomicCheckpointIO
+from src.run.checkpoints import AtomicCheckpointIO
 from src.cli import run
 
 LENET = ["--config", "configs/lenet.yaml"]

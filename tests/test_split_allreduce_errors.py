@@ -97,8 +97,8 @@ def test_overlay_config_runs_through_the_cli(fast_args, tmp_path):
 def test_cli_short_name_and_algorithm_switch(fast_args):
     cli = main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--trainer.strategy", "split_allreduce",
                 "--test_after_fit", "false"])
-    assert cli.trainer.strategy.num_replicas == 1 and cli.trainer.world_size == 1
-    from src.errors import ConfigError
+    assert cli.trainer.strategy.replicas_per_process == 1 and cli.trainer.world_size == 1
+    from src.run.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tree"):
         main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml", *fast_args,

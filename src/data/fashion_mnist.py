@@ -16,6 +16,7 @@ from src.data.images import ImageFolderLoader, scan_folder
 from src.data.integrity import check_idx_file, check_writable
 from src.data.loader import GlobalBatchSampler, TensorBatchLoader
 from src.sharding import check_global_batch
+from src.strategies.layout import parallel_layout
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -202,7 +203,7 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         """This rank's part of every global batch: equal parts (DDP: the global batch must divide by the world
         size), or the strategy's `rank_shares` when it has them (split_allreduce: any global batch)."""
         rank, world_size = self._world()
-        shares = getattr(self.trainer.strategy, "rank_shares", None) if self.trainer is not None else None
+        shares = parallel_layout(self.trainer.strategy).rank_shares if self.trainer is not None else None
         if shares is None:
             check_global_batch("data.batch_size" if train else "data.eval_batch_size", global_batch, world_size)
         return GlobalBatchSampler(num_samples, global_batch, shuffle=train, drop_last=False,

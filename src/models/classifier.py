@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-from src.lightning_compat import add_logged_hparam, attached_trainer
+from src.run.lightning_compat import add_logged_hparam, attached_trainer
 from src.models import LeNet, ResNet18, init_weights
 from src.models.metrics import MeanLoss, Misclassified
 
@@ -74,7 +74,7 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss = MeanLoss()
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
-        # per-class results, read and reset by src.class_report.ClassReport at the end of each evaluation
+        # per-class results, read and reset by src.callbacks.class_report.ClassReport at the end of each evaluation
         self.val_confmat = MulticlassConfusionMatrix(num_classes)
         self.test_confmat = MulticlassConfusionMatrix(num_classes)
         self.test_misclassified = Misclassified(limit=32)
@@ -186,7 +186,7 @@ class ImageClassifier(pl.LightningModule):
             {"probs": softmax of the logits, (B, num_classes) float32 (computed in float32 whatever the
             precision), "target": y (B,) int64 (-1 for unlabelled images), "index": (B,) int64, the samples'
             positions in the predict set (batch_idx * B + arange(B) when the batch carries none)}.
-            `src.prediction_writer.PredictionWriter` writes these as rows of predictions.csv.
+            `src.callbacks.prediction_writer.PredictionWriter` writes these as rows of predictions.csv.
         """
         x, y = batch[0], batch[1]
         index = batch[2] if len(batch) > 2 else batch_idx * len(y) + torch.arange(len(y), device=y.device)

@@ -38,17 +38,20 @@ def parse_devices(devices: list[str]) -> list[torch.device]:
     return parsed
 
 
-def local_replica_devices(accelerator_device: torch.device, local_rank: int, k: int) -> list[torch.device]:
+def local_replica_devices(assigned: list[torch.device] | None, local_rank: int, k: int) -> list[torch.device]:
     """The K replica devices of local process `local_rank` when the strategy's `devices` is not given.
 
     CPU: K times "cpu". CUDA: local process p takes cuda:p*K .. cuda:p*K+K-1 (with K = 1, the GPU Lightning
     assigned it, as under DDP).
 
     Args:
-        accelerator_device: The device Lightning assigned this process (from `trainer.accelerator/devices`).
+        assigned: The devices Lightning assigned this node's processes, one each (`trainer.accelerator/devices`;
+            None or empty: the CPU).
         local_rank: This process's rank on its node.
         k: Replicas per process.
     """
+    assigned = assigned or [torch.device("cpu")]
+    accelerator_device = assigned[min(local_rank, len(assigned) - 1)]
     if accelerator_device.type != "cuda":
         return [torch.device(accelerator_device.type)] * k
     if k == 1:

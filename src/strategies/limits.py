@@ -5,10 +5,10 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.lightning_compat import sync_batchnorm_requested
-from src.sharding import check_split_weights
-from src.strategies.allreduce import check_algorithm
-from src.strategies.process_allreduce import PROCESS_ALGORITHMS
+from src.run.lightning_compat import sync_batchnorm_requested
+from src.sharding import check_split_weights, replicas_text
+from src.strategies.comm.allreduce import check_algorithm
+from src.strategies.comm.process_allreduce import PROCESS_ALGORITHMS
 from src.strategies.replicate import check_buffer_mode
 
 
@@ -36,14 +36,16 @@ def check_options(devices: list[str] | None, replicas_per_process: int, allreduc
 
 
 def check_layout(strategy: "pl.strategies.Strategy") -> None:
-    """P processes x K replicas must fit the machine: on GPUs, the processes of a node must not share GPUs.
+    """P processes x K replicas must fit the machine (on GPUs, the processes of a node must not share GPUs), and
+    `split_weights` must have one entry per replica of the job.
 
     Raises:
         ValueError: Explicit CUDA `devices` with several processes per node (each would take the same GPUs),
-            or more GPUs asked for (processes per node x replicas_per_process) than the machine has; the
-            message names the fix.
+            more GPUs asked for (processes per node x replicas_per_process) than the machine has, or split_weights
+            of another length than P x K; the message names the fix.
     """
     processes, k = strategy.num_processes, strategy.replicas_per_process
+    check_split_weights(strategy.split_weights, strategy.total_replicas, replicas_text(strategy.world_size, k))
     explicit = strategy._devices
     if explicit is not None and processes > 1 and any(d.type == "cuda" for d in explicit):
         raise ValueError(f"devices {[str(d) for d in explicit]} lists GPUs, and every one of the {processes} processes "
@@ -72,7 +74,7 @@ def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy
     if isinstance(strategy.precision_plugin, MixedPrecision) and strategy.precision_plugin.scaler is not None:
         raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
                            "bf16-mixed or 32-true")
-    if sync_batchnorm_requested(strategy) and getattr(strategy, "split_weights", None) == "auto":
+    if sync_batchnorm_requested(strategy) and strategy.split_weights == "auto":
         raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
                            "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "
                            "BatchNorm layer); give split_weights as numbers or leave them equal")

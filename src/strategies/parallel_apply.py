@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from src.lightning_compat import copy_hook_name, transfer_batch
+from src.run.lightning_compat import copy_hook_name, transfer_batch
 
 
 def _synced_clock(device: torch.device) -> float:

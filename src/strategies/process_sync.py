@@ -1,15 +1,19 @@
-"""What keeps the replicas of several processes equal besides the gradient allreduce: buffers, checks, shares.
+"""What keeps the replicas of several processes in step besides the gradient allreduce: the global batch's
+sample count, buffers, sync checks and auto-split rates.
 
 Each acts on local replica 0 of every process (the other local replicas are kept equal to it in-process) and
 packs a module's tensors into one flat buffer per dtype, so a step costs one collective per dtype instead of
 one per tensor.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from src.strategies.replicate import ReplicaDesyncError
+from src.sharding import check_enough_samples
+from src.strategies.replicate import ReplicaDesyncError, check_in_sync, sync_buffers_
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -82,3 +86,60 @@ def gather_rates(local_rates: list[float], rank: int, world: int, device: torch.
     t[rank * k:(rank + 1) * k] = torch.tensor(local_rates, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_now: bool) -> Callable[[], int]:
+    """N, the samples of this step's global batch, from this process's `n`: a function that returns it.
+
+    The processes sum their counts with one small allreduce, started here and waited for when the function is
+    called, so its latency hides behind the replicas' forward passes. `wait_now` (sync BatchNorm) waits at once:
+    the synchronised layers must not meet a process that has no sample.
+
+    Args:
+        n: This process's samples of the step.
+        device: Where the (2,) float64 count lives (the backend's device).
+        total_replicas: P x K; every replica needs a sample.
+        wait_now: Wait here, and refuse a step that left a process without a sample.
+
+    Raises:
+        ValueError: From the returned function (or at once with `wait_now`), if N is smaller than the P x K
+            replicas (on every process alike), or, with `wait_now`, if a process got no sample.
+    """
+    counts = torch.tensor([float(n), float(n == 0)], dtype=torch.float64, device=device)
+    work = dist.all_reduce(counts, async_op=True)
+
+    def result() -> int:
+        work.wait()
+        total, idle = int(counts[0].item()), int(counts[1].item())
+        check_enough_samples("a global batch of ", total, total_replicas)
+        if idle and wait_now:  # its BatchNorm layers would never meet the others'
+            raise ValueError(f"a global batch of {total} left {idle} process(es) without a sample, and "
+                             "trainer.sync_batchnorm needs every process in every step: make split_weights "
+                             "less uneven or data.batch_size larger")
+        return total
+
+    if wait_now:
+        total = result()
+        return lambda: total
+    return result
+
+
+def sync_all_buffers_(replicas: list[nn.Module], mode: str, across_processes: bool) -> None:
+    """Make the buffers of every replica equal: among this process's replicas (`mode`), then, with several
+    processes, between them (local replica 0's, `mode`), and back to the other local replicas."""
+    sync_buffers_(replicas, mode)
+    if across_processes:
+        sync_buffers_between_processes_(replicas[0], mode)
+        sync_buffers_(replicas, "broadcast")
+
+
+def check_all_in_sync(replicas: list[nn.Module], devices: list[torch.device], step: int,
+                      across_processes: bool) -> None:
+    """Check that every local replica equals local replica 0 and, with several processes, that it equals rank 0's.
+
+    Raises:
+        ReplicaDesyncError: Naming the first replica (or rank), device and tensor that differ, and the step.
+    """
+    check_in_sync(replicas, devices, step)
+    if across_processes:
+        check_in_sync_between_processes(replicas[0], step)

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from src.lightning_compat import init_process_group, process_launcher, reduce_across_processes
+from src.run.lightning_compat import init_process_group, process_launcher, reduce_across_processes
 
 
 class ProcessesParallelStrategy(ParallelStrategy):

@@ -6,12 +6,13 @@ kept equal by stepping the same update on each, instead of being copied again ev
 
 import copy
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from src.lightning_compat import forget_computed_value, forget_metric_attributes
+from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
 
 BUFFER_SYNC_MODES = ("broadcast", "mean")
 
@@ -34,6 +35,18 @@ def clone_replica(replica0: nn.Module, device: torch.device) -> nn.Module:
         if isinstance(metric, Metric):
             metric.reset()  # replica 0's metrics may hold states of an earlier stage; they are merged into it
     return replica
+
+
+def make_replicas(replica0: "pl.LightningModule", devices: list[torch.device], trainer: "pl.Trainer"
+                  ) -> list["pl.LightningModule"]:
+    """[replica0, copies of it on devices[1:]], each copy attached to `trainer` so that its `self.log` reaches the
+    trainer's result collection."""
+    replicas = [replica0]
+    for device in devices[1:]:
+        replica = clone_replica(replica0, device)
+        replica.trainer = trainer
+        replicas.append(replica)
+    return replicas
 
 
 def metric_pairs(replica0: nn.Module, replica: nn.Module) -> list[tuple[Metric, Metric]]:
@@ -92,6 +105,22 @@ def copy_gradients_(source: nn.Module, target: nn.Module) -> None:
     for p, q in zip(source.parameters(), target.parameters()):
         if p.grad is not None and q.grad is not None:
             q.grad.copy_(p.grad)
+
+
+def step_other_replicas_(optimizer: torch.optim.Optimizer, replicas: list[nn.Module],
+                         optimizers: list[torch.optim.Optimizer], clipped: bool) -> None:
+    """Step replicas 1..K-1 (`optimizers`: theirs, in order) after replica 0's `optimizer` stepped.
+
+    Each first takes replica 0's group settings (lr schedulers change replica 0's groups only) and, when
+    Lightning clipped replica 0's gradients (`clipped`), replica 0's gradients, so every replica makes the same
+    update.
+    """
+    for replica, opt in zip(replicas[1:], optimizers):
+        copy_hyperparameters_(optimizer, opt)
+        if clipped:
+            copy_gradients_(replicas[0], replica)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def check_buffer_mode(mode: str) -> None:

@@ -89,3 +89,9 @@ def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None],
     if name not in PROCESS_ALGORITHMS:
         raise ValueError(f"unknown process_allreduce {name!r}; choose one of {', '.join(PROCESS_ALGORITHMS)}")
     return ring_allreduce_ if name == "ring" else torch_allreduce_
+
+
+def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
+    """The implementation called `name` over the default (world) process group, as a function of the buffer."""
+    implementation = process_allreduce(name)
+    return lambda buffer: implementation(buffer, None)

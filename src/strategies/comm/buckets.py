@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from src.strategies.allreduce import nbytes, allreduce_
-from src.strategies.hierarchical import two_level_allreduce_
+from src.strategies.comm.allreduce import nbytes, allreduce_
+from src.strategies.comm.hierarchical import two_level_allreduce_
 
 
 def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
@@ -49,7 +49,7 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
             one with a `.grad` of its own shape.
         algorithm: "reduce_broadcast" or "ring".
         between: With several processes, the allreduce between them: the sum then covers every replica of
-            every process (`src.strategies.hierarchical.two_level_allreduce_`). None: this process only.
+            every process (`src.strategies.comm.hierarchical.two_level_allreduce_`). None: this process only.
 
     Returns:
         Bytes sent by each of the K devices.

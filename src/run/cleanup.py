@@ -17,8 +17,21 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+_registered = False
+
+
 def register() -> None:
     """Run `destroy_process_group` at exit: atexit for ordinary processes, and multiprocessing's own exit
-    hook for spawned workers, which leave through os._exit and skip atexit."""
+    hook for spawned workers, which leave through os._exit and skip atexit. Once per process; a second call
+    does nothing."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
     atexit.register(destroy_process_group)
     multiprocessing.util.Finalize(None, destroy_process_group, exitpriority=100)
+
+
+def is_registered() -> bool:
+    """Whether `register` ran in this process."""
+    return _registered

@@ -1,86 +1,64 @@
-"""Checks run by the CLI before training starts (and before DDP starts any process): one clear message each."""
+"""Checkpoint files: writes that never leave a half-written file, loads that never run code, `--ckpt_path last`
+found in any run of the experiment, and a checkpoint checked against the configured model before a run starts."""
 
 import os
 import pickle
 import re
-from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy
-
-from src.lightning_compat import sync_batchnorm_requested
-
-from src.sharding import check_enough_samples, check_global_batch, check_split_weights
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
-def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[str, str] = os.environ) -> None:
-    """Several nodes need a launcher that tells each process where the others are.
+def _keep_location(storage: Any, location: Any) -> Any:
+    return storage  # Lightning's default: tensors stay where they were saved
 
-    Lightning's plain environment would otherwise wait forever for nodes that were never started.
 
-    Raises:
-        RuntimeError: For num_nodes > 1 without torchrun, SLURM or MASTER_ADDR + NODE_RANK.
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to a temporary file in the same folder, fsyncs it, then renames it into place.
+
+    `os.replace` within one folder is atomic on POSIX, so a process killed during a save leaves the
+    previous file under that name intact (plus, at worst, a stray `.<name>.tmp-<pid>` that the next save
+    of the same name from the same process overwrites). Lightning's default goes through an fsspec
+    transaction whose temporary file lives in the system temp folder, and a move across filesystems is a
+    copy, which a kill can interrupt half-way.
+
+    Every load goes through torch's weights-only unpickler (tensors and plain data only), whatever the caller
+    asks for, so a crafted checkpoint cannot run code.
     """
-    if num_nodes <= 1 or not isinstance(cluster_environment, LightningEnvironment):
-        return
-    if "MASTER_ADDR" in environ and "NODE_RANK" in environ:
-        return
-    raise RuntimeError(
-        f"trainer.num_nodes={num_nodes} but no cluster environment was found. Start one process group per node "
-        "with torchrun (torchrun --nnodes N --nproc-per-node K --node-rank i --master-addr HOST --master-port PORT "
-        "-m src.cli fit ...), with srun inside a SLURM allocation, or set MASTER_ADDR, MASTER_PORT and NODE_RANK "
-        "on every node; for one machine use trainer.num_nodes: 1")
 
+    def load_checkpoint(self, path: Any, map_location: Any = _keep_location, weights_only: bool | None = None) -> dict:
+        """Load with `weights_only=True` always.
 
-def check_epochs(max_epochs: int | None) -> None:
-    """Raises ValueError for a negative epoch count (Lightning would read -1 as "no limit")."""
-    if max_epochs is not None and max_epochs < 0:
-        raise ValueError(f"trainer.max_epochs={max_epochs} must be >= 0; to train by steps set trainer.max_steps")
+        Raises:
+            ValueError: If a caller turns `weights_only` off (an unrestricted unpickler).
+        """
+        if weights_only is False:
+            raise ValueError("checkpoints are loaded with torch's weights-only unpickler only; turning weights_only "
+                             "off would let a checkpoint run code while it loads")
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
-
-def check_replicas(batch_size: int, eval_batch_size: int, strategy: object) -> None:
-    """Our strategy's replicas of the whole job (P processes x K) against the global batches and split_weights.
-
-    Raises:
-        ValueError: A global batch with fewer samples than replicas, or split_weights of another length.
-    """
-    total = getattr(strategy, "total_replicas", 1)
-    check_enough_samples("data.batch_size=", batch_size, total)
-    check_enough_samples("data.eval_batch_size=", eval_batch_size, total)
-    if hasattr(strategy, "split_weights"):
-        check_split_weights(strategy.split_weights, total, strategy.layout)
-
-
-def check_sync_batchnorm(strategy: object, accelerator: object) -> None:
-    """torch's SyncBatchNorm, which Lightning's DDP converts BatchNorm to, runs on GPUs only.
-
-    Without this check a CPU run fails in its first training step with torch's "SyncBatchNorm layers only work
-    with GPU modules", after the processes were started.
-
-    Raises:
-        RuntimeError: For `trainer.sync_batchnorm: true` with DDP on the CPU; the message names the alternative.
-    """
-    if isinstance(strategy, DDPStrategy) and isinstance(accelerator, CPUAccelerator) and \
-            sync_batchnorm_requested(strategy):
-        raise RuntimeError("trainer.sync_batchnorm: true with DDP on the CPU: torch's SyncBatchNorm needs GPUs. "
-                           "For CPU replicas use trainer.strategy: split_allreduce with trainer.sync_batchnorm: true, "
-                           "or set trainer.sync_batchnorm: false")
-
-
-def check_before_run(trainer: pl.Trainer, datamodule: object) -> None:
-    """Every check above, on the objects the CLI built."""
-    check_epochs(trainer.max_epochs)
-    check_cluster(trainer.num_nodes, getattr(trainer.strategy, "cluster_environment", None))
-    check_sync_batchnorm(trainer.strategy, trainer.accelerator)
-    if hasattr(datamodule, "batch_size") and hasattr(datamodule, "eval_batch_size"):
-        if getattr(trainer.strategy, "rank_shares", None) is None:  # DDP: equal parts; ours splits any batch
-            check_global_batch("data.batch_size", datamodule.batch_size, trainer.world_size)
-            check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, trainer.world_size)
-        check_replicas(datamodule.batch_size, datamodule.eval_batch_size, trainer.strategy)
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # make the rename itself durable
+        finally:
+            os.close(directory)
 
 
 def resolve_last_checkpoint(ckpt_path: str | None, experiment_dir: Path | None) -> str | None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from src.strategies.allreduce import all_gather_, broadcast_, owned_chunk, reduce_, reduce_scatter_, ring_chunks
+from src.strategies.comm.allreduce import all_gather_, broadcast_, owned_chunk, reduce_, reduce_scatter_, ring_chunks
 
 # allreduce (sum) of one 1-D tensor over the processes, in place; returns the bytes this process sent, or
 # None when the implementation does not say (`dist.all_reduce`)
@@ -32,7 +32,7 @@ def two_level_allreduce_(buffers: Sequence[Tensor], algorithm: str, between: Bet
         buffers: This process's K 1-D tensors of equal length and dtype, one per local replica; every process
             passes the same length.
         algorithm: The in-process algorithm, "ring" or "reduce_broadcast"; it also sets the shape (above).
-        between: The allreduce between processes (see `src.strategies.process_allreduce`), applied to one
+        between: The allreduce between processes (see `src.strategies.comm.process_allreduce`), applied to one
             chunk per local device ("ring") or to local replica 0's whole buffer ("reduce_broadcast").
 
     Returns:

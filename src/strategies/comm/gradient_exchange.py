@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.strategies.hierarchical import BetweenProcesses
-from src.strategies.buckets import allreduce_bucket_, allreduce_gradients_, bucket_indices
-from src.strategies.overlap import BucketReadiness
+from src.strategies.comm.hierarchical import BetweenProcesses
+from src.strategies.comm.buckets import allreduce_bucket_, allreduce_gradients_, bucket_indices
+from src.strategies.comm.overlap import BucketReadiness
 
 
 class GradientExchange:
@@ -20,10 +20,10 @@ class GradientExchange:
 
     Args:
         replica_params: K lists of parameters, replica 0's first; entry i of each is the same parameter.
-        algorithm: "ring" or "reduce_broadcast" (see `src.strategies.allreduce`).
+        algorithm: "ring" or "reduce_broadcast" (see `src.strategies.comm.allreduce`).
         cap_bytes: Bucket capacity in bytes; buckets are filled from the last parameter backwards.
         overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready.
-        between: With several processes, the allreduce between them (`src.strategies.hierarchical`); every
+        between: With several processes, the allreduce between them (`src.strategies.comm.hierarchical`); every
             bucket is then summed over every replica of every process. None: this process's replicas only.
     """
 

@@ -97,7 +97,7 @@ def give_lost_rank_reports_time(seconds: int = 30) -> None:
     """Make the DDP launcher's child-process observer wait `seconds` between checks instead of 5.
 
     When a child rank dies, Lightning's observer SIGKILLs the launching process (rank 0) at its next check, 0-5 s
-    later. Rank 0's own collective usually fails within a step and `src.errors.describe_lost_rank` reports which
+    later. Rank 0's own collective usually fails within a step and `src.run.errors.describe_lost_rank` reports which
     rank was lost, but a check that falls inside that window kills rank 0 before it can say so. The observer
     stays as the backstop for ranks that hang; there is no public setting for its period.
     """

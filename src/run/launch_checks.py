@@ -1,0 +1,84 @@
+"""Checks run by the CLI before training starts (and before DDP starts any process): one clear message each."""
+
+import os
+from collections.abc import Mapping
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+
+from src.data.fashion_mnist import FashionMNISTDataModule
+from src.run.lightning_compat import sync_batchnorm_requested
+from src.sharding import check_enough_samples, check_global_batch, check_split_weights
+from src.strategies.layout import ParallelLayout, parallel_layout
+
+
+def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[str, str] = os.environ) -> None:
+    """Several nodes need a launcher that tells each process where the others are.
+
+    Lightning's plain environment would otherwise wait forever for nodes that were never started.
+
+    Raises:
+        RuntimeError: For num_nodes > 1 without torchrun, SLURM or MASTER_ADDR + NODE_RANK.
+    """
+    if num_nodes <= 1 or not isinstance(cluster_environment, LightningEnvironment):
+        return
+    if "MASTER_ADDR" in environ and "NODE_RANK" in environ:
+        return
+    raise RuntimeError(
+        f"trainer.num_nodes={num_nodes} but no cluster environment was found. Start one process group per node "
+        "with torchrun (torchrun --nnodes N --nproc-per-node K --node-rank i --master-addr HOST --master-port PORT "
+        "-m src.cli fit ...), with srun inside a SLURM allocation, or set MASTER_ADDR, MASTER_PORT and NODE_RANK "
+        "on every node; for one machine use trainer.num_nodes: 1")
+
+
+def check_epochs(max_epochs: int | None) -> None:
+    """Raises ValueError for a negative epoch count (Lightning would read -1 as "no limit")."""
+    if max_epochs is not None and max_epochs < 0:
+        raise ValueError(f"trainer.max_epochs={max_epochs} must be >= 0; to train by steps set trainer.max_steps")
+
+
+def check_replicas(batch_size: int, eval_batch_size: int, layout: ParallelLayout) -> None:
+    """The replicas of the whole job (P processes x K) against the global batches and split_weights.
+
+    Raises:
+        ValueError: A global batch with fewer samples than replicas, or split_weights of another length.
+    """
+    total = layout.total_replicas
+    check_enough_samples("data.batch_size=", batch_size, total)
+    check_enough_samples("data.eval_batch_size=", eval_batch_size, total)
+    check_split_weights(layout.split_weights, total, layout.describe())
+
+
+def check_sync_batchnorm(strategy: object, accelerator: object) -> None:
+    """torch's SyncBatchNorm, which Lightning's DDP converts BatchNorm to, runs on GPUs only.
+
+    Without this check a CPU run fails in its first training step with torch's "SyncBatchNorm layers only work
+    with GPU modules", after the processes were started.
+
+    Raises:
+        RuntimeError: For `trainer.sync_batchnorm: true` with DDP on the CPU; the message names the alternative.
+    """
+    if isinstance(strategy, DDPStrategy) and isinstance(accelerator, CPUAccelerator) and \
+            sync_batchnorm_requested(strategy):
+        raise RuntimeError("trainer.sync_batchnorm: true with DDP on the CPU: torch's SyncBatchNorm needs GPUs. "
+                           "For CPU replicas use trainer.strategy: split_allreduce with trainer.sync_batchnorm: true, "
+                           "or set trainer.sync_batchnorm: false")
+
+
+def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) -> None:
+    """Every check above, on the objects the CLI built.
+
+    Raises:
+        TypeError: For a strategy this tool does not run (see `src.strategies.layout.parallel_layout`).
+    """
+    check_epochs(trainer.max_epochs)
+    layout = parallel_layout(trainer.strategy)
+    if isinstance(trainer.strategy, ParallelStrategy):
+        check_cluster(trainer.num_nodes, trainer.strategy.cluster_environment)
+    check_sync_batchnorm(trainer.strategy, trainer.accelerator)
+    if not layout.splits_any_batch:  # DDP: every rank takes an equal part; ours splits any batch
+        check_global_batch("data.batch_size", datamodule.batch_size, layout.processes)
+        check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, layout.processes)
+    check_replicas(datamodule.batch_size, datamodule.eval_batch_size, layout)

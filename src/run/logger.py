@@ -1,0 +1,129 @@
+"""TensorBoard runs named by what they are, with hyperparameters that tell strategies apart.
+
+A training run lands in `<save_dir>/<model>/<strategy>-<P>x<K>-<device>/version_N`, with P the number of
+processes (world size), K the model replicas per process and the device type, e.g.
+`logs/lenet/split_allreduce-1x2-cpu/version_0` or `logs/resnet18/ddp-4x1-cuda/version_2`. `validate`, `test`
+and `predict` runs land under a stage folder, `<save_dir>/<model>/<stage>/<strategy>-<P>x<K>-<device>/`, so the
+list of training runs stays a list of training runs.
+"""
+
+import math
+from argparse import Namespace
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from src.run.lightning_compat import file_writer
+from src.strategies.layout import parallel_layout
+
+# The metrics of the HPARAMS table, logged by src.callbacks.HParamsMetrics and EpochReport
+HP_METRICS = ("hp/val_acc_best", "hp/val_acc_final", "hp/test_acc", "hp/epoch_s_median", "hp/images_per_s_median")
+
+
+def run_tag(trainer: "pl.Trainer") -> str:
+    """`<strategy>-<P>x<K>-<device>` for this Trainer, e.g. "split_allreduce-1x2-cpu" or "ddp-2x1-cpu"."""
+    layout = parallel_layout(trainer.strategy)
+    return f"{layout.strategy}-{layout.processes}x{layout.replicas_per_process}-{layout.device_type}"
+
+
+def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | None) -> dict[str, Any]:
+    """What tells runs apart in the HPARAMS table: strategy, layout, batch, precision, allreduce, versions.
+
+    `run/allreduce` names the whole job's gradient exchange in the vocabulary of
+    `src.strategies.comm.vocabulary.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
+    """
+    layout = parallel_layout(trainer.strategy)
+    devices = layout.replica_devices if layout.strategy == "split_allreduce" else layout.process_devices
+    weights = layout.split_weights
+    return {
+        "run/strategy": layout.strategy,
+        "run/replica_devices": ",".join(str(d) for d in devices),
+        "run/world_size": layout.processes,
+        "run/replicas_per_process": layout.replicas_per_process,
+        "run/global_batch": global_batch if global_batch is not None else "unknown",
+        "run/per_replica_batch": round(global_batch / layout.total_replicas, 2) if global_batch else "unknown",
+        "run/precision": str(trainer.precision),
+        "run/allreduce": layout.allreduce,
+        "run/backend": layout.backend or "none",
+        "run/split_weights": "equal" if weights is None else str(weights),
+        "run/seed": seed if seed is not None else "unset",
+        "run/torch": torch.__version__,
+        "run/lightning": lightning.__version__,
+    }
+
+
+class RunLogger(TensorBoardLogger):
+    """Lightning's TensorBoardLogger, with runs named by strategy and layout and an HPARAMS table that compares.
+
+    The CLI calls `describe_run` before any subcommand starts. Hyperparameters are written once per run (a
+    `test` after `fit` reuses them), without LightningCLI's internal keys (those starting with "_"), and the
+    table's metrics are `HP_METRICS`, logged as real values: there is no placeholder `hp_metric` of -1.
+
+    Args:
+        save_dir: Folder of all runs. The CLI fills it from `trainer.default_root_dir` when it is not given
+            (and outside the CLI it defaults to "logs").
+        name: The experiment, usually the model ("lenet", "resnet18").
+        version: Run version (default: the next free `version_N`).
+        name_by_run: Append `<strategy>-<P>x<K>-<device>` (and the stage) to the name; the scaling report,
+            which names its runs itself, turns this off.
+    """
+
+    def __init__(self, save_dir: str | None = None, name: str = "lightning_logs", version: int | str | None = None,
+                 name_by_run: bool = True, **kwargs: Any) -> None:
+        kwargs["default_hp_metric"] = False
+        super().__init__(save_dir if save_dir is not None else "logs", name=name, version=version, **kwargs)
+        self.experiment_name, self.name_by_run = name, name_by_run
+        self.run_name = ""  # "<strategy>-<P>x<K>-<device>", or "<stage>/<...>" for validate, test, predict
+        self.run_hparams: dict[str, Any] = {}
+        self._hparams_written = False
+
+    def describe_run(self, run_name: str, hparams: dict[str, Any]) -> None:
+        """Set the run's folder name (below the experiment) and the hyperparameters that describe it."""
+        self.run_name, self.run_hparams = run_name, dict(hparams)
+
+    @property
+    @override
+    def name(self) -> str:
+        """`<experiment>/<run name>` (the run name only when `name_by_run`)."""
+        if self.name_by_run and self.run_name:
+            return f"{self.experiment_name}/{self.run_name}"
+        return self.experiment_name
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, metrics: Any = None, step: int | None = None) -> None:
+        """Save hparams.yaml as Lightning does, and write the HPARAMS summary once, with `HP_METRICS`."""
+        params = vars(params) if isinstance(params, Namespace) else dict(params)
+        params = {k: v for k, v in params.items() if not str(k).startswith("_")}
+        super().log_hyperparams(params, metrics=None, step=step)  # hparams.yaml; no summary (no metrics)
+        if self._hparams_written:
+            return
+        self._hparams_written = True
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {**_flatten(params), **self.run_hparams}
+        writer = file_writer(self.experiment)
+        for summary in hparams(flat, {m: 0.0 for m in HP_METRICS}):
+            writer.add_summary(summary, step)
+
+
+def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to "a/b" keys; values TensorBoard cannot show (lists, None, objects) become strings."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, Namespace):
+            value = vars(value)
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, bool) or isinstance(value, (int, str)):
+            flat[f"{prefix}{key}"] = value
+        elif isinstance(value, float):
+            flat[f"{prefix}{key}"] = value if math.isfinite(value) else str(value)
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat

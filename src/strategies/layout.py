@@ -1,0 +1,94 @@
+"""One typed description of a run's data-parallel layout, built from any strategy this tool runs.
+
+Callbacks, the run logger, the launch checks and the DataModule read a `ParallelLayout` instead of probing the
+strategy for attributes, so renaming an attribute of a strategy breaks here, loudly, and nowhere else.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from src.strategies.comm.vocabulary import exchange_name
+from src.strategies.split_allreduce import SplitAllreduceStrategy
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """P processes x K replicas, where they run and how their gradients are summed.
+
+    Args:
+        strategy: "single", "ddp" or "split_allreduce".
+        processes: P, the world size (processes on all nodes).
+        replicas_per_process: K, model replicas in each process (1 under single and DDP).
+        replica_devices: The devices of this process's K replicas, replica 0 first.
+        process_devices: The devices Lightning gave this node's processes, one per process.
+        allreduce: The whole job's gradient exchange, a name of `src.strategies.comm.vocabulary.EXCHANGES`.
+        backend: The torch.distributed backend between processes ("gloo", "nccl"), or None for one process.
+        split_weights: split_allreduce's `split_weights` (a list, "auto", or None for equal shares).
+        splits_any_batch: Whether the strategy splits a global batch of any size over its ranks (ours); if not
+            (DDP), every rank takes global batch / world size, which must divide evenly.
+    """
+
+    strategy: str
+    processes: int
+    replicas_per_process: int
+    replica_devices: tuple[torch.device, ...]
+    process_devices: tuple[torch.device, ...]
+    allreduce: str
+    backend: str | None
+    split_weights: list[float] | str | None = None
+    splits_any_batch: bool = False
+    _shares: Callable[[], list[float]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def total_replicas(self) -> int:
+        """P x K, the replicas of the whole job."""
+        return self.processes * self.replicas_per_process
+
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda": the type of local replica 0's device."""
+        return self.replica_devices[0].type
+
+    @property
+    def rank_shares(self) -> list[float] | None:
+        """Each rank's relative share of every global batch, or None for equal shares (DDP, single).
+
+        Live: the strategy's own list object, which `split_weights: auto` rewrites in place during training,
+        so a sampler that keeps it follows the new shares from the next batch on.
+        """
+        return self._shares() if self._shares is not None else None
+
+    def describe(self) -> str:
+        """The replicas in words, e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
+        processes = f"{self.processes} process{'es' if self.processes > 1 else ''}"
+        return f"replicas ({processes} x {self.replicas_per_process}; rank 0's replicas first)"
+
+
+def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
+    """The layout of `strategy`: single device, Lightning's DDP (any start method) or `SplitAllreduceStrategy`.
+
+    Raises:
+        TypeError: For any other strategy, naming the ones this tool supports.
+    """
+    if isinstance(strategy, SplitAllreduceStrategy):
+        p, k = strategy.world_size, strategy.replicas_per_process
+        return ParallelLayout(
+            "split_allreduce", p, k, tuple(strategy.replica_devices), tuple(strategy.parallel_devices or
+                                                                             [strategy.root_device]),
+            exchange_name(strategy.algorithm, strategy.process_algorithm, p, k),
+            strategy.process_group_backend if p > 1 else None, strategy.split_weights, True,
+            lambda: strategy.shares.rank_shares)
+    if isinstance(strategy, DDPStrategy):
+        p = strategy.world_size
+        backend = strategy.process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")
+        return ParallelLayout("ddp", p, 1, (strategy.root_device,),
+                              tuple(strategy.parallel_devices or [strategy.root_device]), "torch" if p > 1 else "none",
+                              backend if p > 1 else None)
+    if isinstance(strategy, SingleDeviceStrategy):
+        return ParallelLayout("single", 1, 1, (strategy.root_device,), (strategy.root_device,), "none", None)
+    raise TypeError(f"strategy {type(strategy).__name__} is not one this tool runs: use trainer.strategy single "
+                    "(configs/strategy/single.yaml), ddp (configs/strategy/ddp_cpu.yaml) or split_allreduce "
+                    "(configs/strategy/split_allreduce.yaml)")
