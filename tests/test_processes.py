@@ -10,7 +10,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import ddp, fit, max_param_diff, stop_then_resume
+from tests.helpers.runs import ddp, fit, max_param_diff, stop_then_resume, strategy_replicas
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -24,7 +24,7 @@ class RankSnapshot(pl.Callback):
         self.folder = folder
 
     def on_train_end(self, trainer, pl_module) -> None:
-        replicas = getattr(trainer.strategy, "replicas", None) or [pl_module]
+        replicas = strategy_replicas(trainer, pl_module)
         states = [{k: v.detach().cpu().clone() for k, v in r.state_dict().items()} for r in replicas]
         torch.save(states, Path(self.folder) / f"rank{trainer.global_rank}.pt")
 

@@ -13,7 +13,8 @@ from src.cli import run
 from src.models.classifier import ImageClassifier, ResNet18Classifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from src.strategies.sync_batchnorm import ReplicaSyncBatchNorm, Rendezvous
+from src.strategies.lockstep import Rendezvous
+from src.strategies.sync_batchnorm import ReplicaSyncBatchNorm
 from tests.helpers.cli_args import fast_args
 from tests.helpers.runs import assert_replicas_bitwise_equal, fit
 

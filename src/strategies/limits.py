@@ -7,8 +7,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from src.run.lightning_compat import sync_batchnorm_requested
 from src.sharding import check_split_weights, replicas_text
-from src.strategies.comm.allreduce import check_algorithm
-from src.strategies.comm.process_allreduce import PROCESS_ALGORITHMS
+from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, IN_PROCESS, check_choice
 from src.strategies.replicate import check_buffer_mode
 
 
@@ -20,10 +19,8 @@ def check_options(devices: list[str] | None, replicas_per_process: int, allreduc
     Raises:
         ValueError: Naming the bad argument and the values it takes.
     """
-    check_algorithm(allreduce)
-    if process_allreduce not in PROCESS_ALGORITHMS:
-        raise ValueError(f"unknown process_allreduce {process_allreduce!r}; choose one of "
-                         f"{', '.join(PROCESS_ALGORITHMS)}")
+    check_choice("allreduce algorithm", allreduce, IN_PROCESS)
+    check_choice("process_allreduce", process_allreduce, BETWEEN_PROCESSES)
     check_buffer_mode(sync_buffers)
     check_split_weights(split_weights)
     if replicas_per_process < 1:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from src.sharding import check_enough_samples
+from src.strategies.comm.buckets import copy_back_, flatten
 from src.strategies.replicate import ReplicaDesyncError, check_in_sync, sync_buffers_
 
 
@@ -35,16 +36,13 @@ def sync_buffers_between_processes_(module: nn.Module, mode: str) -> None:
     """
     world = dist.get_world_size()
     for dtype, tensors in _by_dtype(list(module.buffers())).items():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = flatten(tensors)
         if mode == "mean" and dtype.is_floating_point:
             dist.all_reduce(flat)
             flat.div_(world)
         else:
             dist.broadcast(flat, src=0)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        copy_back_(flat, tensors)
 
 
 @torch.no_grad()
@@ -59,7 +57,7 @@ def check_in_sync_between_processes(module: nn.Module, step: int) -> None:
     """
     named = [*module.named_parameters(), *module.named_buffers()]
     for dtype, tensors in _by_dtype([t for _, t in named]).items():
-        mine = torch.cat([t.detach().reshape(-1) for t in tensors])
+        mine = flatten([t.detach() for t in tensors])
         reference = mine.clone()
         dist.broadcast(reference, src=0)
         if torch.equal(mine, reference):

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from src.run.cleanup import register as register_process_group_cleanup
 from src.run.lightning_compat import init_process_group, process_launcher, reduce_across_processes
 
 
@@ -100,6 +101,7 @@ class ProcessesParallelStrategy(ParallelStrategy):
         if self.multi_process:
             reset_seed()  # every process starts from the seed that `seed_everything` set in the launching one
             self.set_world_ranks()
+            register_process_group_cleanup()  # spawn workers never run the CLI, which registers it elsewhere
             init_process_group(self.cluster_environment, self.process_group_backend, self._timeout, self.root_device)
 
     @override

@@ -5,8 +5,16 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from src.callbacks import ProcessGroupCleanup
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
+from src.strategies.split_allreduce import SplitAllreduceStrategy
+
+
+def strategy_replicas(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[pl.LightningModule]:
+    """This process's model replicas: ours keeps several, every other strategy trains `pl_module` alone."""
+    strategy = trainer.strategy
+    return (strategy.replicas or [pl_module]) if isinstance(strategy, SplitAllreduceStrategy) else [pl_module]
 
 
 class ReplicaSnapshot(pl.Callback):
@@ -16,16 +24,17 @@ class ReplicaSnapshot(pl.Callback):
         self.states: list[dict[str, torch.Tensor]] = []
 
     def on_train_end(self, trainer, pl_module) -> None:
-        replicas = getattr(trainer.strategy, "replicas", None) or [pl_module]
+        replicas = strategy_replicas(trainer, pl_module)
         self.states = [{k: v.detach().cpu().clone() for k, v in r.state_dict().items()} for r in replicas]
 
 
 def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: int = 20, batch_size: int = 25,
         precision: str = "64-true", model_kwargs: dict | None = None, data_kwargs: dict | None = None,
-        callbacks: list | None = None, ckpt_path: str | None = None,
+        callbacks: list | None = None, ckpt_path: str | None = None, cleanup: bool = True,
         **trainer_kwargs) -> tuple[pl.LightningModule, pl.Trainer, ReplicaSnapshot]:
     """Fit `steps` optimizer steps from seed 0; returns the model, the trainer and the replica snapshot.
 
+    `cleanup` adds `ProcessGroupCleanup` (as the CLI does), without which DDP's spawned workers may abort at exit.
     float64 by default: float32 rounding of the differently ordered gradient sums grows over steps at high
     learning rates (about 5e-7 after one step, 2e-4 after 20 at lr 0.05), which would hide the algorithm's
     exactness behind the arithmetic's.
@@ -39,9 +48,10 @@ def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: in
     dm = FashionMNISTDataModule(str(data_dir), batch_size=batch_size, val_size=100, download=False,
                                 **(data_kwargs or {}))
     snapshot = ReplicaSnapshot()
+    callbacks = [snapshot, *([ProcessGroupCleanup()] if cleanup else []), *(callbacks or [])]
     kwargs = dict(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
                   limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, callbacks=[snapshot, *(callbacks or [])])
+                  enable_model_summary=False, callbacks=callbacks)
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
     trainer.fit(model, dm, ckpt_path=ckpt_path)

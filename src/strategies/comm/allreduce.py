@@ -14,14 +14,11 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from src.sharding import shard_sizes
-
-ALGORITHMS = ("reduce_broadcast", "ring")
-
+from src.strategies.comm.vocabulary import IN_PROCESS, check_choice
 
 def check_algorithm(name: str) -> None:
-    """Raises ValueError unless `name` is one of ALGORITHMS."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown allreduce algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    """Raises ValueError unless `name` is one of `vocabulary.IN_PROCESS` ("ring", "reduce_broadcast")."""
+    check_choice("allreduce algorithm", name, IN_PROCESS)
 
 
 def nbytes(t: Tensor) -> int:
@@ -66,11 +63,32 @@ def reduce_broadcast_(buffers: Sequence[Tensor]) -> list[int]:
     return [a + b for a, b in zip(reduce_(buffers), broadcast_(buffers))]
 
 
+def ring_chunk_sizes(n: int, num_devices: int) -> list[int]:
+    """Sizes of the K chunks a ring cuts an n-element buffer into: they differ by at most one element."""
+    return shard_sizes(n, [1.0] * num_devices)
+
+
+def ring_step(k: int, step: int, num_devices: int, phase: str) -> tuple[int, int]:
+    """(chunk device k sends to device k+1, chunk it receives from device k-1) in `step` of a ring phase.
+
+    "reduce_scatter": device k sends chunk (k - s) mod K and adds the received chunk (k - s - 1) mod K into its
+    own, so after K-1 steps it holds the complete sum of chunk (k + 1) mod K (`owned_chunk`). "all_gather":
+    device k sends chunk (k + 1 - s) mod K and stores the received chunk (k - s) mod K. Shared by the ring
+    among a process's devices (`ring_`) and between processes (`process_allreduce.ring_allreduce_`).
+
+    Raises:
+        ValueError: For another phase.
+    """
+    if phase == "reduce_scatter":
+        return (k - step) % num_devices, (k - step - 1) % num_devices
+    if phase == "all_gather":
+        return (k + 1 - step) % num_devices, (k - step) % num_devices
+    raise ValueError(f"unknown ring phase {phase!r}; choose reduce_scatter or all_gather")
+
+
 def ring_chunks(buffers: Sequence[Tensor]) -> list[list[Tensor]]:
-    """Each buffer cut into K chunks whose sizes differ by at most one element: chunks[k][c] is a view of
-    chunk c of buffer k."""
-    k = len(buffers)
-    sizes = shard_sizes(buffers[0].numel(), [1.0] * k)
+    """Each buffer cut into K chunks (`ring_chunk_sizes`): chunks[k][c] is a view of chunk c of buffer k."""
+    sizes = ring_chunk_sizes(buffers[0].numel(), len(buffers))
     return [list(b.split(sizes)) for b in buffers]
 
 
@@ -79,23 +97,31 @@ def owned_chunk(k: int, num_devices: int) -> int:
     return (k + 1) % num_devices
 
 
+def _ring_phase_(buffers: Sequence[Tensor], phase: str) -> list[int]:
+    """K-1 steps of `phase`; in each, device k sends `ring_step`'s chunk to device k+1, which adds it into its
+    own chunk ("reduce_scatter") or stores it ("all_gather"). Within a step every device sends and receives
+    different chunks, so running the K transfers of a step one after another equals running them at once."""
+    k, chunks, sent = len(buffers), ring_chunks(buffers), [0] * len(buffers)
+    for s in range(k - 1):
+        for src in range(k):
+            c, dst = ring_step(src, s, k, phase)[0], (src + 1) % k
+            if phase == "reduce_scatter":
+                chunks[dst][c].add_(chunks[src][c].to(buffers[dst].device))
+            else:
+                chunks[dst][c].copy_(chunks[src][c])
+            sent[src] += nbytes(chunks[src][c])
+    return sent
+
+
 def reduce_scatter_(buffers: Sequence[Tensor]) -> list[int]:
     """The first half of the ring: K-1 steps after which device k holds the complete sum of chunk (k+1) mod K.
 
-    In step s, device k adds its chunk (k - s) mod K into the same chunk of device k+1. Within a step every
-    device sends and receives different chunks, so running the K transfers of a step one after another
-    gives the same result as running them at once.
+    In step s, device k adds its chunk (k - s) mod K into the same chunk of device k+1.
 
     Returns:
         Bytes sent by each of the K devices: K-1 chunks, about (K-1)/K of one buffer.
     """
-    k, chunks, sent = len(buffers), ring_chunks(buffers), [0] * len(buffers)
-    for s in range(k - 1):
-        for src in range(k):
-            c, dst = (src - s) % k, (src + 1) % k
-            chunks[dst][c].add_(chunks[src][c].to(buffers[dst].device))
-            sent[src] += nbytes(chunks[src][c])
-    return sent
+    return _ring_phase_(buffers, "reduce_scatter")
 
 
 def all_gather_(buffers: Sequence[Tensor]) -> list[int]:
@@ -105,13 +131,7 @@ def all_gather_(buffers: Sequence[Tensor]) -> list[int]:
     Returns:
         Bytes sent by each of the K devices: K-1 chunks, about (K-1)/K of one buffer.
     """
-    k, chunks, sent = len(buffers), ring_chunks(buffers), [0] * len(buffers)
-    for s in range(k - 1):
-        for src in range(k):
-            c, dst = (src + 1 - s) % k, (src + 1) % k
-            chunks[dst][c].copy_(chunks[src][c])
-            sent[src] += nbytes(chunks[src][c])
-    return sent
+    return _ring_phase_(buffers, "all_gather")
 
 
 def ring_(buffers: Sequence[Tensor]) -> list[int]:

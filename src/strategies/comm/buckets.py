@@ -13,6 +13,19 @@ from src.strategies.comm.allreduce import nbytes, allreduce_
 from src.strategies.comm.hierarchical import two_level_allreduce_
 
 
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One new 1-D tensor holding `tensors` one after another (all of one dtype and device)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def copy_back_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+    """Copy the consecutive pieces of `flat` back into `tensors`, in place (the inverse of `flatten`)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     """Group parameter indices into buckets of one dtype, each at most `cap_bytes` (or one tensor if larger).
 
@@ -54,13 +67,10 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
     Returns:
         Bytes sent by each of the K devices.
     """
-    flats = [torch.cat([p.grad.reshape(-1) for p in group]) for group in members]
+    flats = [flatten([p.grad for p in group]) for group in members]
     sent = allreduce_(flats, algorithm) if between is None else two_level_allreduce_(flats, algorithm, between)
     for group, flat in zip(members, flats):
-        offset = 0
-        for p in group:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        copy_back_(flat, [p.grad for p in group])
     return sent
 
 

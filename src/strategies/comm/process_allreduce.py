@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from src.sharding import shard_sizes
+from src.strategies.comm.allreduce import ring_chunk_sizes, ring_step
+from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, check_choice
 
-PROCESS_ALGORITHMS = ("ring", "torch")
 
 
 def _exchange(send: Tensor, to: int, receive: Tensor, source: int, group: dist.ProcessGroup | None) -> None:
@@ -34,7 +34,7 @@ def _exchange(send: Tensor, to: int, receive: Tensor, source: int, group: dist.P
 def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> int:
     """Sum a 1-D buffer over the processes of `group` in place, with the ring algorithm.
 
-    The buffer is cut into P chunks whose sizes differ by at most one element (`src.sharding.shard_sizes`).
+    The buffer is cut into P chunks whose sizes differ by at most one element (`allreduce.ring_chunk_sizes`).
     Reduce-scatter step s (s = 0 .. P-2): rank r sends chunk (r - s) mod P to rank r + 1 and adds the chunk
     (r - s - 1) mod P it receives from rank r - 1 into its own; afterwards rank r holds the complete sum of
     chunk (r + 1) mod P. All-gather step s: rank r sends chunk (r + 1 - s) mod P to rank r + 1 and stores the
@@ -51,7 +51,7 @@ def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> i
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return 0
-    sizes = shard_sizes(buffer.numel(), [1.0] * world)
+    sizes = ring_chunk_sizes(buffer.numel(), world)
     chunks = list(buffer.split(sizes))
     right, left = ((rank + 1) % world, (rank - 1) % world)
     if group is not None:  # point-to-point takes global ranks
@@ -59,13 +59,13 @@ def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> i
     scratch = torch.empty(max(sizes), dtype=buffer.dtype, device=buffer.device)
     sent = 0
     for s in range(world - 1):  # reduce-scatter
-        out, into = (rank - s) % world, (rank - s - 1) % world
+        out, into = ring_step(rank, s, world, "reduce_scatter")
         incoming = scratch[: sizes[into]]
         _exchange(chunks[out], right, incoming, left, group)
         chunks[into].add_(incoming)
         sent += chunks[out].numel() * chunks[out].element_size()
     for s in range(world - 1):  # all-gather
-        out, into = (rank + 1 - s) % world, (rank - s) % world
+        out, into = ring_step(rank, s, world, "all_gather")
         _exchange(chunks[out], right, chunks[into], left, group)
         sent += chunks[out].numel() * chunks[out].element_size()
     return sent
@@ -86,8 +86,7 @@ def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None],
     Raises:
         ValueError: For another name.
     """
-    if name not in PROCESS_ALGORITHMS:
-        raise ValueError(f"unknown process_allreduce {name!r}; choose one of {', '.join(PROCESS_ALGORITHMS)}")
+    check_choice("process_allreduce", name, BETWEEN_PROCESSES)
     return ring_allreduce_ if name == "ring" else torch_allreduce_
 
 

@@ -1,0 +1,106 @@
+"""The typed layout of a run (P processes x K replicas), the allreduce vocabulary, and configs with old class paths."""
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+from src.cli import run
+from src.run.logger import run_hparams
+from src.sharding import ReplicaShares
+from src.strategies.comm.vocabulary import EXCHANGES, exchange_name
+from src.strategies.layout import parallel_layout
+from src.strategies.split_allreduce import SplitAllreduceStrategy
+from tests.helpers import cli_args
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def _trainer(strategy, devices=1) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False)
+
+
+def test_layout_of_every_strategy_this_tool_runs():
+    single = parallel_layout(_trainer("auto").strategy)
+    assert (single.strategy, single.processes, single.replicas_per_process, single.allreduce) == \
+        ("single", 1, 1, "none")
+    assert single.rank_shares is None and not single.splits_any_batch
+    ddp = parallel_layout(_trainer(DDPStrategy(start_method="spawn"), devices=2).strategy)
+    assert (ddp.strategy, ddp.processes, ddp.replicas_per_process, ddp.allreduce, ddp.backend) == \
+        ("ddp", 2, 1, "torch", "gloo")
+    assert ddp.process_devices == (CPU, CPU) and ddp.rank_shares is None and not ddp.splits_any_batch
+    ours = parallel_layout(_trainer(SplitAllreduceStrategy(devices=["cpu", "cpu"])).strategy)
+    assert (ours.strategy, ours.processes, ours.replicas_per_process, ours.allreduce) == \
+        ("split_allreduce", 1, 2, "ring")
+    assert ours.replica_devices == (CPU, CPU) and ours.rank_shares == [2.0] and ours.splits_any_batch
+    two_by_two = parallel_layout(_trainer(SplitAllreduceStrategy(start_method="spawn", replicas_per_process=2),
+                                          devices=2).strategy)
+    assert (two_by_two.processes, two_by_two.total_replicas, two_by_two.allreduce) == (2, 4, "hierarchical")
+    assert two_by_two.describe() == "replicas (2 processes x 2; rank 0's replicas first)"
+
+
+def test_a_strategy_this_tool_does_not_run_is_named_not_defaulted():
+    with pytest.raises(TypeError, match="strategy FSDPStrategy is not one this tool runs: use trainer.strategy "
+                                        "single"):
+        parallel_layout(FSDPStrategy())
+
+
+def test_rank_shares_stay_live_when_auto_fixes_them():
+    trainer = _trainer(SplitAllreduceStrategy(devices=["cpu", "cpu"], split_weights="auto"))
+    shares = parallel_layout(trainer.strategy).rank_shares  # what the DataModule's sampler keeps
+    assert shares == [2.0]
+    trainer.strategy.shares.fix([0.75, 0.25])
+    assert shares is parallel_layout(trainer.strategy).rank_shares and shares == [1.0]
+
+
+def test_replica_shares_cut_p_by_k_weights_once():
+    shares = ReplicaShares([3, 1, 1, 1], processes=2, replicas_per_process=2)
+    assert shares.rank_shares == [4.0, 2.0]
+    assert shares.replica_weights(0) == [3.0, 1.0] and shares.replica_weights(1) == [1.0, 1.0]
+    live = shares.rank_shares
+    shares.fix([1, 1, 1, 3])
+    assert live == [2.0, 4.0] and shares.replica_weights(1) == [1.0, 3.0]
+    assert ReplicaShares("auto", 3, 1).rank_shares == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("allreduce, process_allreduce, p, k, expected", [
+    ("ring", "ring", 1, 1, "none"), ("ring", "ring", 1, 4, "ring"),
+    ("reduce_broadcast", "ring", 1, 2, "reduce_broadcast"), ("ring", "ring", 4, 1, "ring"),
+    ("ring", "torch", 2, 1, "torch"), ("ring", "ring", 2, 2, "hierarchical"), ("ring", "torch", 2, 2, "hierarchical"),
+    ("reduce_broadcast", "ring", 2, 2, "reduce_broadcast"),
+])
+def test_exchange_names_come_from_one_vocabulary(allreduce, process_allreduce, p, k, expected):
+    assert exchange_name(allreduce, process_allreduce, p, k) == expected and expected in EXCHANGES
+
+
+def test_hparams_name_the_exchange_in_the_vocabulary():
+    trainer = _trainer(SplitAllreduceStrategy(start_method="spawn", devices=["cpu", "cpu"]), devices=2)
+    hparams = run_hparams(trainer, 64, 42)
+    assert hparams["run/allreduce"] == "hierarchical" and hparams["run/backend"] == "gloo"
+    assert hparams["run/world_size"] == 2 and hparams["run/replicas_per_process"] == 2
+    assert hparams["run/per_replica_batch"] == 16
+    assert run_hparams(_trainer(DDPStrategy(start_method="spawn"), devices=2), 64, 42)["run/allreduce"] == "torch"
+
+
+def test_a_config_saved_with_the_old_class_paths_still_predicts(tiny_data_dir, tmp_path):
+    """The config.yaml of a run saved when RunLogger, ClassReport, PredictionWriter and AtomicCheckpointIO lived
+    at src.run_logger, src.class_report, src.prediction_writer and src.checkpoint_io: predict runs from it."""
+    logs = tmp_path / "logs"
+    quick = [*cli_args.fast_args(tiny_data_dir, logs), "--test_after_fit", "false"]
+    assert run(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce.yaml",
+                *quick]) == 0
+    ckpt = logs / "lenet" / "split_allreduce-1x2-cpu" / "version_0" / "checkpoints" / "last.ckpt"
+    old = (ROOT / "tests" / "fixtures" / "old_class_paths_config.yaml").read_text()
+    assert "src.run_logger.RunLogger" in old and "src.prediction_writer.PredictionWriter" in old
+    config = tmp_path / "config.yaml"
+    config.write_text(old.replace("SAVE_DIR", str(logs)).replace("DATA_DIR", str(tiny_data_dir)))
+    assert run(["predict", "--config", str(config), "--ckpt_path", str(ckpt)]) == 0
+    written = sorted((logs / "lenet" / "predict").glob("*/version_*/predictions.csv"))
+    assert len(written) == 1
+    with open(written[0], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 200  # every test image of the tiny data set
