@@ -22,9 +22,9 @@ import json
 import math
 from pathlib import Path
 
-from src.cost_model import Compute, Link, fit_line, predict_step, ring_allreduce_s
-from src.forecast import DEFAULT_CALIBRATION, inspect_network, resolve_compute, resolve_link
-from src.hardware import LINKS
+from src.scaling.cost_model import Compute, Link, fit_line, predict_step, ring_allreduce_s
+from src.scaling.forecast import DEFAULT_CALIBRATION, inspect_network, resolve_compute, resolve_link
+from src.scaling.hardware import LINKS
 
 CHECK_SIZES = {65_536: "64 KiB", 516_272: "LeNet", 44_684_072: "ResNet-18"}  # chosen before measuring
 LENET = "src.models.classifier.LeNetClassifier"
@@ -33,7 +33,7 @@ RESNET = "src.models.classifier.ResNet18Classifier"
 
 def check_allreduce(calibration: str, processes: list[int], repeats: int) -> None:
     """Print measured vs predicted allreduce milliseconds for every P and size (fresh measurements)."""
-    from benchmarks.calibrate import measure_allreduce
+    from src.scaling.calibrate import measure_allreduce
 
     cal = json.loads(Path(calibration).read_text())
     rows = measure_allreduce(processes, repeats)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from src.strategies.comm.process_allreduce import ring_allreduce_, torch_allreduce_
-from tests.helpers.ports import free_port
+from src.run.ports import free_port
 
 SIZES = [4 * 2**10, 64 * 2**10, 516_272, 2**20, 16 * 2**20, 44_684_072, 64 * 2**20]  # bytes
 NAMES = {516_272: "LeNet", 44_684_072: "ResNet-18"}

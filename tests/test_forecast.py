@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from src.cost_model import (Compute, Link, allreduce_s, fit_alpha_beta, fit_line, hierarchical_s, predict_step,
+from src.scaling.cost_model import (Compute, Link, allreduce_s, fit_alpha_beta, fit_line, hierarchical_s, predict_step,
                             reduce_broadcast_s, relative_errors, ring_allreduce_s)
-from src.forecast import inspect_network, main
+from src.scaling.forecast import inspect_network, main
 
 BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link
 
@@ -193,10 +193,10 @@ def test_bad_input_gives_one_line(tiny, tmp_path, args, message):
 
 
 def test_bare_calibrate_flag_runs_the_calibration(monkeypatch, tmp_path):
-    import benchmarks.calibrate
+    import src.scaling.calibrate
 
     calls = []
-    monkeypatch.setattr(benchmarks.calibrate, "calibrate", lambda *args: calls.append(args) or tmp_path / "c.json")
+    monkeypatch.setattr(src.scaling.calibrate, "calibrate", lambda *args: calls.append(args) or tmp_path / "c.json")
     assert main(["--calibrate", "--calibration", str(tmp_path / "c.json")]) == tmp_path / "c.json"
     assert calls == [(str(tmp_path / "c.json"), ["configs/lenet.yaml", "configs/resnet18.yaml"], [2, 3, 4], 7)]
     assert main(["--calibration", str(tmp_path / "c.json"), "--calibrate"]) == tmp_path / "c.json"  # flag last

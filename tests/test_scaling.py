@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from src.scaling import main as scaling_main
+from src.scaling.report import main as scaling_main
 from tests.helpers.cli_args import data_args
 
 pytestmark = pytest.mark.slow  # starts processes of its own
@@ -32,7 +32,7 @@ def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
 
 
 def test_the_ideal_line_is_flat_when_devices_share_the_cpu_cores(tmp_path):
-    from src.scaling import Row, ideal_images_per_s, write_report
+    from src.scaling.report import Row, ideal_images_per_s, write_report
 
     assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=True) == [100.0, 100.0, 100.0]
     assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=False) == [100.0, 200.0, 400.0]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from src.cost_model import fit_alpha_beta, fit_line, relative_errors
+from src.scaling.cost_model import fit_alpha_beta, fit_line, relative_errors
 
 # Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a
 # replica's share of the shipped global batches.
@@ -48,7 +48,7 @@ def measure_allreduce(processes: list[int], repeats: int) -> list[dict]:
     import torch.multiprocessing as mp
 
     from benchmarks.process_allreduce import SIZES, _worker
-    from tests.helpers.ports import free_port
+    from src.run.ports import free_port
 
     rows = []
     for world in processes:
@@ -100,7 +100,7 @@ def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dic
     """
     import torch
 
-    from tests.helpers.idx import write_fashion_mnist
+    from src.data.synthetic import write_fashion_mnist
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # one replica per core, as DDP's processes get on this CPU

@@ -24,11 +24,11 @@ from typing import Literal
 
 import yaml
 
-from src.cost_model import ALGORITHMS, Compute, Link, StepPrediction, fit_line, predict_step
-from src.hardware import CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, hardware_preset, link_names
+from src.scaling.cost_model import ALGORITHMS, Compute, Link, StepPrediction, fit_line, predict_step
+from src.scaling.hardware import CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, hardware_preset, link_names
 
 Algorithm = Literal["ring", "reduce_broadcast", "hierarchical"]
-DEFAULT_CALIBRATION = "benchmarks/calibration/cpu-2core.json"
+DEFAULT_CALIBRATION = str(Path(__file__).parent / "calibration" / "cpu-2core.json")
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and split_allreduce's default bucket_cap_mb
 TRAIN_IMAGES = 60_000  # Fashion-MNIST's training set, before the validation hold-out
 
@@ -355,7 +355,7 @@ def run_forecast(config: str = "configs/lenet.yaml", hardware: str = "cpu-2core"
             calibration file (with the command that makes it), or a config without a model.
     """
     if calibrate:
-        from benchmarks.calibrate import calibrate as measure
+        from src.scaling.calibrate import calibrate as measure
 
         return measure(calibration, calibrate_configs, calibrate_processes, calibrate_repeats)
     preset = hardware_preset(hardware)
