@@ -1,4 +1,4 @@
-"""`python -m src.forecast`: the scaling predictor's command; the code is in `src.scaling.forecast` (docs/forecast.md)."""
+"""`python -m src.forecast`: the scaling predictor's command, run by `src.scaling.forecast.main` (docs/forecast.md)."""
 
 from src.scaling.forecast import main
 
