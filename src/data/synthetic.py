@@ -1,4 +1,8 @@
-"""Writes small Fashion-MNIST-shaped IDX files, so tests run the real torchvision reader without the real data."""
+"""Synthetic Fashion-MNIST-shaped IDX files, read by the real torchvision reader without the real data.
+
+The tests train on them, and the calibration times training steps on them (the arithmetic of a step does not
+depend on the pixels).
+"""
 
 import struct
 from pathlib import Path
@@ -15,7 +19,15 @@ def idx_bytes(t: torch.Tensor) -> bytes:
 
 
 def make_images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n learnable images: class c lights up row band c, plus noise. (n, 28, 28) uint8 and (n,) uint8."""
+    """n learnable images: class c lights up row band c, plus noise.
+
+    Args:
+        n: Number of images.
+        seed: Seed of the generator (the same seed gives the same images).
+
+    Returns:
+        Images (n, 28, 28) and labels (n,), both uint8.
+    """
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
     images = torch.randint(0, 60, (n, 28, 28), generator=g, dtype=torch.uint8)
@@ -25,7 +37,20 @@ def make_images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_fashion_mnist(raw_dir: Path, n_train: int = 600, n_test: int = 200, gz: bool = False) -> Path:
-    """Write the four files (optionally gzipped, as Debian ships them) into `raw_dir`; returns it."""
+    """Write the four IDX files of Fashion-MNIST's layout into `raw_dir`.
+
+    Args:
+        raw_dir: Folder to write into (created if needed), e.g. <data_dir>/FashionMNIST/raw.
+        n_train: Training images.
+        n_test: Test images.
+        gz: Gzip each file, as Debian ships them (names end in .gz).
+
+    Returns:
+        `raw_dir`.
+
+    Raises:
+        OSError: The folder cannot be written.
+    """
     import gzip
 
     raw_dir.mkdir(parents=True, exist_ok=True)
