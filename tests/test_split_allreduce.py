@@ -189,7 +189,8 @@ def test_grad_norms_bytes_and_replica_parameters_are_inspectable(tiny_data_dir, 
 def test_trainer_devices_are_processes_and_replicas_per_process_is_k():
     trainer = pl.Trainer(accelerator="cpu", devices=3, strategy="split_allreduce", logger=False)
     assert isinstance(trainer.strategy, SplitAllreduceStrategy)
-    assert trainer.strategy.replicas_per_process == 1 and trainer.world_size == 3 and trainer.strategy.total_replicas == 3
+    assert trainer.strategy.replicas_per_process == 1 and trainer.world_size == 3
+    assert trainer.strategy.total_replicas == 3
     assert trainer.strategy.launcher is not None  # three processes: Lightning's launcher starts two more
     one = pl.Trainer(accelerator="cpu", devices=1, strategy=SplitAllreduceStrategy(replicas_per_process=3),
                      logger=False)
