@@ -22,9 +22,10 @@ import json
 import math
 from pathlib import Path
 
-from src.cost_model import Compute, Link, fit_line, predict_step, ring_allreduce_s
-from src.forecast import DEFAULT_CALIBRATION, inspect_network, resolve_compute, resolve_link
-from src.hardware import LINKS
+from src.scaling.cost_model import Compute, Link, fit_line, predict_step, ring_allreduce_s
+from src.scaling.hardware import LINKS
+from src.scaling.network import inspect_network
+from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
 
 CHECK_SIZES = {65_536: "64 KiB", 516_272: "LeNet", 44_684_072: "ResNet-18"}  # chosen before measuring
 LENET = "src.models.classifier.LeNetClassifier"
@@ -33,9 +34,9 @@ RESNET = "src.models.classifier.ResNet18Classifier"
 
 def check_allreduce(calibration: str, processes: list[int], repeats: int) -> None:
     """Print measured vs predicted allreduce milliseconds for every P and size (fresh measurements)."""
-    from benchmarks.calibrate import measure_allreduce
+    from src.scaling.calibrate import measure_allreduce
 
-    cal = json.loads(Path(calibration).read_text())
+    cal = load_calibration(calibration)
     rows = measure_allreduce(processes, repeats)
     print(f"\ncalibration: {calibration} ({cal['date']}, {cal['hardware']})")
     print("| P | buffer | bytes | implementation | measured ms | predicted ms | predicted / measured | goal ±30% |")

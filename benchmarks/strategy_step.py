@@ -48,7 +48,7 @@ def data_dir() -> str:
     """`data/` when the real Fashion-MNIST is unpacked there, else a synthetic set of the same size."""
     if (Path("data") / "FashionMNIST" / "raw" / "train-images-idx3-ubyte").is_file():
         return "data"
-    from tests.helpers.idx import write_fashion_mnist
+    from src.data.synthetic import write_fashion_mnist
 
     root = Path(tempfile.mkdtemp(prefix="fmnist-bench-"))
     write_fashion_mnist(root / "FashionMNIST" / "raw", n_train=60000, n_test=10000)

@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fmnist-bench-"))
-    from tests.helpers.idx import write_fashion_mnist
+    from src.data.synthetic import write_fashion_mnist
 
     write_fashion_mnist(root / "FashionMNIST" / "raw", n_train=2000, n_test=100)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -1,17 +1,29 @@
-"""Scaling predictor: alpha-beta formulas on hand-computed cases, fits on synthetic timings, the CLI's files and
-its one-line errors. CPU only, no data files, a few seconds."""
+"""Scaling predictor: alpha-beta formulas on hand-computed cases, fits on synthetic timings, the bucket plan, the
+CLI's files and its one-line errors, the calibration's allreduce timing. CPU only, no data files, a few seconds
+(the timing between processes is marked slow)."""
 
 import csv
 import json
 import random
+from pathlib import Path
 
 import pytest
 
-from src.cost_model import (Compute, Link, allreduce_s, fit_alpha_beta, fit_line, hierarchical_s, predict_step,
-                            reduce_broadcast_s, relative_errors, ring_allreduce_s)
-from src.forecast import inspect_network, main
+from src.scaling.cost_model import (ALGORITHMS, Compute, Link, allreduce_s, fit_alpha_beta, fit_line, hierarchical_s,
+                                    predict_step, reduce_broadcast_s, relative_errors, ring_allreduce_s)
+from src.scaling.forecast import main
+from src.scaling.network import DDP_BUCKET_BYTES, inspect_network
+from src.scaling.report import newest_report
+from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration
+from src.scaling.versions import next_version
+from src.strategies.comm.vocabulary import EXCHANGES
 
 BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link
+
+
+def test_the_modelled_algorithms_are_named_by_the_strategy_vocabulary():
+    assert ALGORITHMS == ("ring", "reduce_broadcast", "hierarchical")
+    assert set(ALGORITHMS) <= set(EXCHANGES)
 
 
 def test_ring_sends_2_p_minus_1_over_p_of_the_buffer_per_device():
@@ -108,6 +120,29 @@ def test_inspect_network_counts_gradient_bytes_and_buckets():
     resnet = inspect_network("src.models.classifier.ResNet18Classifier", {"channels_last": True})
     assert resnet.gradient_bytes == 44_684_072 and resnet.buckets == 2 and 0 < resnet.last_bucket_share < 1
     assert resnet.train_flops_per_image > 100 * lenet.train_flops_per_image
+    assert resnet.gradient_dtypes == ("float32",)
+
+
+def test_bucket_plan_is_the_strategy_s_and_ddp_s_for_float32():
+    """The plan comes from src.strategies.comm.buckets; for one dtype it is DDP's reverse-order fill."""
+    import torch
+
+    from src.models.classifier import ResNet18Classifier
+    from src.strategies.comm.buckets import bucket_indices
+
+    params = [p for p in ResNet18Classifier().net.parameters() if p.requires_grad]
+    ddp, current = [], 0  # DDP's fill, written out: reverse order, a new bucket when the next tensor overflows
+    for p in reversed(params):
+        if current and current + p.numel() * 4 > DDP_BUCKET_BYTES:
+            ddp.append(current)
+            current = 0
+        current += p.numel() * 4
+    ddp.append(current)
+    plan = bucket_indices(params, DDP_BUCKET_BYTES)
+    assert [sum(params[i].numel() * 4 for i in b) for b in plan] == ddp
+    # a second dtype gets buckets of its own
+    mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.float16), torch.zeros(4)]
+    assert sorted(map(sorted, bucket_indices(mixed, DDP_BUCKET_BYTES))) == [[0, 2], [1]]
 
 
 def _calibration(path):
@@ -134,10 +169,9 @@ def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
     config, cal = tiny
     scaling = tmp_path / "scaling" / "tiny" / "version_0"
     scaling.mkdir(parents=True)
-    (scaling / "scaling.md").write_text("# tiny: single, ddp on cpu, 2 epoch(s) each\n")
     (scaling / "scaling.csv").write_text("strategy,devices,global_batch,sec_per_epoch,images_per_s,"
-                                         "speedup_vs_single,efficiency,final_val_acc\n"
-                                         "single,1,8,1.0,100.0,1.0,1.0,0.5\nddp,2,8,1.0,120.0,1.2,0.6,0.5\n")
+                                         "speedup_vs_single,efficiency,final_val_acc,accelerator\n"
+                                         "single,1,8,1.0,100.0,1.0,1.0,0.5,cpu\nddp,2,8,1.0,120.0,1.2,0.6,0.5,cpu\n")
     out = main(["--config", str(config), "--hardware", "cpu-2core", "--devices", "[1, 2, 4]", "--calibration",
                 str(cal), "--out", str(tmp_path / "fc"), "--scaling_dir", str(tmp_path / "scaling")])
     assert out == tmp_path / "fc" / "tiny" / "version_0"
@@ -151,7 +185,7 @@ def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
     assert float(ring2["sec_per_epoch"]) == pytest.approx(59_900 / 16 * float(ring2["step_ms"]) / 1e3, rel=1e-3)
     md = (out / "forecast.md").read_text()
     assert "Predicted, not measured." in md and "[measured" in md and "[assumed]" in md and "[published]" in md
-    assert "Measured points drawn on the plot" in md
+    assert f"Measured points drawn on the plot: {scaling}/scaling.csv" in md
     assert (out / "forecast.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "predicted (not measured)" in capsys.readouterr().out
     # a second run goes to the next version; a GPU preset needs no calibration file; strong scaling
@@ -193,10 +227,47 @@ def test_bad_input_gives_one_line(tiny, tmp_path, args, message):
 
 
 def test_bare_calibrate_flag_runs_the_calibration(monkeypatch, tmp_path):
-    import benchmarks.calibrate
+    import src.scaling.calibrate
 
     calls = []
-    monkeypatch.setattr(benchmarks.calibrate, "calibrate", lambda *args: calls.append(args) or tmp_path / "c.json")
+    monkeypatch.setattr(src.scaling.calibrate, "calibrate", lambda *args: calls.append(args) or tmp_path / "c.json")
     assert main(["--calibrate", "--calibration", str(tmp_path / "c.json")]) == tmp_path / "c.json"
     assert calls == [(str(tmp_path / "c.json"), ["configs/lenet.yaml", "configs/resnet18.yaml"], [2, 3, 4], 7)]
     assert main(["--calibration", str(tmp_path / "c.json"), "--calibrate"]) == tmp_path / "c.json"  # flag last
+    # without --calibration it rewrites the file shipped in the package, wherever the command runs from
+    monkeypatch.chdir(tmp_path)
+    main(["--calibrate"])
+    assert calls[-1][0] == DEFAULT_CALIBRATION
+
+
+def test_the_shipped_calibration_is_found_from_any_working_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert Path(DEFAULT_CALIBRATION).is_absolute()
+    assert Path(DEFAULT_CALIBRATION).parent == Path(__file__).parents[1] / "src" / "scaling" / "calibration"
+    cal = load_calibration(DEFAULT_CALIBRATION)
+    assert {"torch", "ring"} <= set(cal["allreduce"]) and "LeNetClassifier" in cal["compute"]
+
+
+def test_the_plot_takes_the_newest_report_measured_on_the_same_accelerator(tmp_path):
+    header = "strategy,devices,global_batch,sec_per_epoch,images_per_s,speedup_vs_single,efficiency,final_val_acc"
+    reports = {0: (",accelerator", ",cpu"), 1: (",accelerator", ",gpu"), 2: ("", ""), 3: (",accelerator", ",cpu")}
+    for n, (column, value) in reports.items():
+        folder = next_version(tmp_path)
+        assert folder == tmp_path / f"version_{n}"
+        folder.mkdir()
+        (folder / "scaling.csv").write_text(f"{header}{column}\nsingle,1,8,1.0,{100 + n},1.0,1.0,0.5{value}\n")
+    (tmp_path / "version_old").mkdir()  # not numbered: ignored
+    (tmp_path / "version_old" / "scaling.csv").write_text(f"{header},accelerator\nsingle,1,8,1.0,1,1.0,1.0,0.5,cpu\n")
+    rows, folder = newest_report(tmp_path, "cpu")
+    assert folder == tmp_path / "version_3" and rows[0]["images_per_s"] == "103"
+    assert newest_report(tmp_path, "gpu")[1] == tmp_path / "version_1"  # version_2 has no accelerator column
+    assert newest_report(tmp_path / "absent", "cpu") == ([], None)
+
+
+@pytest.mark.slow  # starts two processes
+def test_allreduce_timing_between_two_processes():
+    from src.scaling.allreduce_timing import time_allreduces
+
+    rows = list(time_allreduces(2, repeats=2, sizes=[4096, 65536]))
+    assert [r["size"] for r in rows] == [4096, 65536]
+    assert all(r["ring"] > 0 and r["torch"] > 0 for r in rows)

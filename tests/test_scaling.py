@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from src.scaling import main as scaling_main
+from src.scaling.report import main as scaling_main
 from tests.helpers.cli_args import data_args
 
 pytestmark = pytest.mark.slow  # starts processes of its own
@@ -20,7 +20,7 @@ def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
     assert [(r["strategy"], r["devices"]) for r in rows] == [("single", "1"), ("split_allreduce", "2"), ("ddp", "2")]
     for r in rows:
         assert float(r["images_per_s"]) > 0 and float(r["sec_per_epoch"]) > 0 and r["global_batch"] == "64"
-        assert 0.0 <= float(r["final_val_acc"]) <= 1.0
+        assert 0.0 <= float(r["final_val_acc"]) <= 1.0 and r["accelerator"] == "cpu"
     assert float(rows[0]["speedup_vs_single"]) == 1.0
     table = (report / "scaling.md").read_text()
     assert "| ddp | 2 | 64 |" in table and "speedup vs single" in table
@@ -32,11 +32,13 @@ def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
 
 
 def test_the_ideal_line_is_flat_when_devices_share_the_cpu_cores(tmp_path):
-    from src.scaling import Row, ideal_images_per_s, write_report
+    from src.scaling.report import Row, ideal_images_per_s, write_report
 
     assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=True) == [100.0, 100.0, 100.0]
     assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=False) == [100.0, 200.0, 400.0]
     fields = Row.__dataclass_fields__
-    row = Row(**{name: ("single" if name == "strategy" else 1) for name in fields})
+    row = Row(**{name: {"strategy": "single", "accelerator": "cpu"}.get(name, 1) for name in fields})
     write_report([row], tmp_path, "title", shared_cores=True)
     assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.csv", "scaling.png"}
+    # the predictor tells CPU from GPU reports by this column
+    assert next(csv.DictReader(open(tmp_path / "scaling.csv")))["accelerator"] == "cpu"

@@ -1,41 +1,8 @@
-"""Writes small Fashion-MNIST-shaped IDX files, so tests run the real torchvision reader without the real data."""
+"""Small Fashion-MNIST-shaped IDX files, so tests run the real torchvision reader without the real data.
 
-import struct
-from pathlib import Path
+The writer lives in `src.data.synthetic` (the calibration uses it too); the tests keep importing it from here.
+"""
 
-import torch
+from src.data.synthetic import idx_bytes, make_images, write_fashion_mnist
 
-from src.data.fashion_mnist import RAW_FILES
-
-
-def idx_bytes(t: torch.Tensor) -> bytes:
-    """IDX encoding of a uint8 tensor: magic (0, 0, 0x08, ndim), big-endian int32 dims, raw bytes."""
-    header = struct.pack(">BBBB", 0, 0, 0x08, t.dim()) + struct.pack(f">{t.dim()}i", *t.shape)
-    return header + t.contiguous().numpy().tobytes()
-
-
-def make_images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n learnable images: class c lights up row band c, plus noise. (n, 28, 28) uint8 and (n,) uint8."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
-    images = torch.randint(0, 60, (n, 28, 28), generator=g, dtype=torch.uint8)
-    for c in range(10):
-        images[labels == c, 2 + 2 * c:4 + 2 * c, :] = 220
-    return images, labels
-
-
-def write_fashion_mnist(raw_dir: Path, n_train: int = 600, n_test: int = 200, gz: bool = False) -> Path:
-    """Write the four files (optionally gzipped, as Debian ships them) into `raw_dir`; returns it."""
-    import gzip
-
-    raw_dir.mkdir(parents=True, exist_ok=True)
-    tr_x, tr_y = make_images(n_train, 0)
-    te_x, te_y = make_images(n_test, 1)
-    for name, t in zip(RAW_FILES, (tr_x, tr_y, te_x, te_y)):
-        data = idx_bytes(t)
-        if gz:
-            with gzip.open(raw_dir / f"{name}.gz", "wb") as f:
-                f.write(data)
-        else:
-            (raw_dir / name).write_bytes(data)
-    return raw_dir
+__all__ = ["idx_bytes", "make_images", "write_fashion_mnist"]

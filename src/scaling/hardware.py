@@ -14,7 +14,7 @@ H100 900 GB/s), so half of it is used here.
 
 from dataclasses import dataclass
 
-from src.cost_model import Link
+from src.scaling.cost_model import Link
 
 GB = 1e9  # bytes; link bandwidths are quoted in decimal units
 

@@ -1,12 +1,12 @@
 """Calibrate the scaling predictor on this machine: allreduce alpha / beta over gloo on loopback, and compute time.
 
-    python -m src.forecast --calibrate                       # writes benchmarks/calibration/cpu-2core.json
+    python -m src.forecast --calibrate              # rewrites the shipped src/scaling/calibration/cpu-2core.json
     python -m src.forecast --calibrate --calibrate_processes "[2]" --calibration /tmp/cal.json
 
-1. Allreduce: `benchmarks.process_allreduce`'s timing (P processes on loopback gloo, each call from a barrier to
-   the slowest process, median of `repeats`) over its size sweep (4 KiB to 64 MiB), for `dist.all_reduce`
-   (what DDP uses) and our point-to-point ring; alpha and beta of each fitted by least squares on relative
-   error (`src.cost_model.fit_alpha_beta`, the ring's 2(P-1)·alpha + 2(P-1)/P·n·beta).
+1. Allreduce: `src.scaling.allreduce_timing` (P processes on loopback gloo, each call from a barrier to the
+   slowest process, median of `repeats`) over its size sweep (4 KiB to 64 MiB), for `dist.all_reduce` (what DDP
+   uses) and our point-to-point ring; alpha and beta of each fitted by least squares on relative error
+   (`src.scaling.cost_model.fit_alpha_beta`, the ring's 2(P-1)·alpha + 2(P-1)/P·n·beta).
 2. Compute: the experiment's LightningModule trained by the real Trainer on synthetic 28x28 images (the
    arithmetic does not depend on the pixels) with one intra-op thread, as each of DDP's processes gets on a
    2-core CPU; the time between consecutive training-batch ends (data, forward, backward, optimizer, hooks)
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from src.cost_model import fit_alpha_beta, fit_line, relative_errors
+from src.scaling.cost_model import fit_alpha_beta, fit_line, relative_errors
 
 # Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a
 # replica's share of the shipped global batches.
@@ -36,32 +36,31 @@ DEFAULT_BATCHES = [16, 64]
 
 
 def _fit_summary(errors: list[float]) -> dict:
+    """Root-mean-square and largest absolute relative error."""
     return {"rms_rel_err": (sum(e * e for e in errors) / len(errors)) ** 0.5, "max_rel_err": max(map(abs, errors))}
 
 
 def measure_allreduce(processes: list[int], repeats: int) -> list[dict]:
     """Median seconds of both allreduce implementations for every size of the sweep and every P.
 
-    Returns:
-        Rows {"p", "bytes", "ring", "torch"} (seconds).
-    """
-    import torch.multiprocessing as mp
+    Args:
+        processes: Process counts P, each >= 2.
+        repeats: Timed calls per size and implementation.
 
-    from benchmarks.process_allreduce import SIZES, _worker
-    from tests.helpers.ports import free_port
+    Returns:
+        Rows {"p", "bytes", "ring", "torch"} (bytes; seconds).
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: A timing process failed.
+    """
+    from src.scaling.allreduce_timing import time_allreduces
 
     rows = []
     for world in processes:
-        out = mp.get_context("spawn").SimpleQueue()
-        procs = mp.start_processes(_worker, args=(world, free_port(), repeats, out), nprocs=world,
-                                   start_method="spawn", join=False)
-        for _ in SIZES:
-            row = json.loads(out.get())
+        for row in time_allreduces(world, repeats):
             rows.append({"p": world, "bytes": row["size"], "ring": row["ring"], "torch": row["torch"]})
             print(f"allreduce P={world} {row['size']:>10,} bytes: ring {row['ring'] * 1e3:8.3f} ms, "
                   f"dist.all_reduce {row['torch'] * 1e3:8.3f} ms", flush=True)
-        while not procs.join(timeout=60):
-            pass
     return rows
 
 
@@ -94,13 +93,25 @@ def _timed_steps(class_path: str, init_args: dict, batch: int, steps: int, root:
 def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dict:
     """Per-network line overhead + batch·seconds_per_image from timed training steps on one thread.
 
+    The data are synthetic IDX files (`src.data.synthetic`) in a temporary folder: the arithmetic of a step
+    does not depend on the pixels.
+
+    Args:
+        configs: Experiment configs (their model.class_path and init_args are built).
+        steps: Training steps per timed run (the first two intervals are dropped).
+        rounds: Runs per batch size, alternated across sizes.
+
     Returns:
-        {class name: {"overhead_s", "seconds_per_image", "threads", "samples": [[batch, median seconds], ...],
-        "fit": {...}, "config"}}.
+        {class name: {"overhead_s" (seconds), "seconds_per_image", "threads", "samples": [[batch, median
+        seconds], ...], "fit": {"rms_rel_err", "max_rel_err"}, "config"}}.
+
+    Raises:
+        OSError: A config cannot be read.
+        KeyError: A config has no model.
     """
     import torch
 
-    from tests.helpers.idx import write_fashion_mnist
+    from src.data.synthetic import write_fashion_mnist
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # one replica per core, as DDP's processes get on this CPU
@@ -126,7 +137,22 @@ def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dic
 
 
 def calibrate(path: str, configs: list[str], processes: list[int], repeats: int) -> Path:
-    """Measure, fit and write the calibration file `path`; returns it."""
+    """Measure, fit and write the calibration file `path` (through a temporary name, then renamed).
+
+    Args:
+        path: File to write; its folder is created if needed. `python -m src.forecast --calibrate` passes the
+            shipped `src/scaling/calibration/cpu-2core.json` unless --calibration names another.
+        configs: Experiment configs whose networks' compute is timed.
+        processes: Process counts P of the allreduce timings, each >= 2.
+        repeats: Timed calls per allreduce size.
+
+    Returns:
+        The file written.
+
+    Raises:
+        ValueError: Too few allreduce samples to fit alpha and beta.
+        OSError: The file cannot be written.
+    """
     import torch
 
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
@@ -148,7 +174,7 @@ def calibrate(path: str, configs: list[str], processes: list[int], repeats: int)
         "date": date,
         "hardware": f"{os.cpu_count()}-core {machine} CPU, gloo over loopback, torch {torch.__version__.split('+')[0]}",
         "command": "python -m src.forecast --calibrate",
-        "method": "allreduce: median of the benchmarks.process_allreduce timing, fitted on relative error with the "
+        "method": "allreduce: median of the src.scaling.allreduce_timing timing, fitted on relative error with the "
                   "ring model; compute: a line through the median step times at several batches, one thread",
         "repeats": repeats,
         "seconds_taken": round(time.perf_counter() - started, 1),

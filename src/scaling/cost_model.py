@@ -13,13 +13,21 @@ n bytes costs alpha + n·beta seconds, and reducing n bytes locally costs n·gam
   least any allreduce can).
 
 Units throughout: seconds, bytes, seconds per byte, images.
+
+The algorithm names are those of the strategy's vocabulary (`src.strategies.comm.vocabulary.EXCHANGES`), which
+is pure Python as well: importing this module loads neither torch nor Lightning.
 """
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ALGORITHMS = ("ring", "reduce_broadcast", "hierarchical")
+from src.strategies.comm.vocabulary import EXCHANGES
+
+# The exchanges with a formula here. "none" (one replica) costs nothing, and "torch" is whatever the backend
+# chooses, so it has no formula of its own: NCCL and gloo run a ring on large buffers, which is how the
+# calibration and the checks model `dist.all_reduce`.
+ALGORITHMS = tuple(name for name in EXCHANGES if name not in ("none", "torch"))
 
 # Backward costs about twice the forward (each layer computes two products, for the input and the weight
 # gradients, against one in the forward), so it is about 2/3 of a step's compute: the window that gradient

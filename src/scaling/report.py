@@ -6,6 +6,7 @@
 Each run is a real `python -m src.cli fit` with the strategy's overlay from configs/strategy/, logged to
 TensorBoard as `<model>-<strategy>-<devices>` in one report folder, so `tensorboard --logdir <folder>` overlays
 their curves. The folder then gets scaling.md, scaling.csv and scaling.png (images/s against devices).
+The scaling predictor (`python -m src.forecast`) draws the newest report's points, found by `newest_report`.
 """
 
 import csv
@@ -20,12 +21,26 @@ from typing import Literal
 
 import yaml
 
+from src.scaling.versions import next_version
+
 Strategy = Literal["single", "split_allreduce", "split_allreduce_processes", "ddp"]
 
 
 @dataclass
 class Row:
-    """One run of the matrix; seconds and images/s are medians over epochs (the first excluded if there are more)."""
+    """One run of the matrix, one line of scaling.csv.
+
+    Args:
+        strategy: single, split_allreduce, split_allreduce_processes or ddp.
+        devices: Devices (K replicas or P processes).
+        global_batch: Images per optimizer step.
+        sec_per_epoch: Seconds per epoch, median over epochs (the first excluded if there are more).
+        images_per_s: Training throughput, images/s, median likewise.
+        speedup_vs_single: single's sec/epoch over this run's.
+        efficiency: Speedup / devices.
+        final_val_acc: Validation accuracy after the last epoch (0..1).
+        accelerator: cpu or gpu, what the devices were (the predictor compares like with like by it).
+    """
 
     strategy: str
     devices: int
@@ -35,6 +50,7 @@ class Row:
     speedup_vs_single: float
     efficiency: float
     final_val_acc: float
+    accelerator: str
 
 
 def _overlay_args(strategy: str, devices: int, accelerator: str) -> list[str]:
@@ -68,13 +84,6 @@ def _read_run(run_dir: Path) -> tuple[float, float, float, int]:
     batch = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["batch_size"]
     return (_median_after_first(values("time/epoch_s")), _median_after_first(values("throughput/images_per_s")),
             values("val/acc")[-1], batch)
-
-
-def _next_version(root: Path) -> Path:
-    n = 0
-    while (root / f"version_{n}").exists():
-        n += 1
-    return root / f"version_{n}"
 
 
 def ideal_images_per_s(single: float, devices: list[int], shared_cores: bool) -> list[float]:
@@ -167,7 +176,7 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
         SystemExit: If a run fails (its last output lines are printed); no report files are written then.
     """
     model = Path(config).stem
-    report = _next_version(Path(out) / model)
+    report = next_version(Path(out) / model)
     report.mkdir(parents=True)
     matrix = [(s, 1) for s in strategies if s == "single"] + [
         (s, d) for s in strategies if s != "single" for d in devices if d > 1]
@@ -195,11 +204,34 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
     rows = []
     for (strategy, n), (sec, ips, acc, batch) in results.items():
         speedup = base[0] / sec if base else float("nan")
-        rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / n, acc))
+        rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / n, acc, accelerator))
     title = f"{model}: {', '.join(strategies)} on {accelerator}, {max_epochs} epoch(s) each"
     write_report(rows, report, title, shared_cores=accelerator == "cpu")
     print(f"report: {report}/scaling.md, scaling.csv, scaling.png; curves: tensorboard --logdir {report}")
     return report
+
+
+def newest_report(model_dir: Path, accelerator: str) -> tuple[list[dict], Path | None]:
+    """The rows of the newest scaling report in `model_dir` measured on `accelerator`, read from its scaling.csv.
+
+    Reports are `model_dir/version_N/scaling.csv`, newest = highest N. A report without the `accelerator`
+    column (written before it existed) is skipped: what its devices were cannot be told from its rows.
+
+    Args:
+        model_dir: `<out>/<model>` of `run_scaling`; it need not exist.
+        accelerator: "cpu" or "gpu".
+
+    Returns:
+        (rows as dicts of strings keyed by `Row`'s field names, the report's folder), or ([], None) if none.
+    """
+    numbered = [p for p in model_dir.glob("version_*/scaling.csv") if p.parent.name.split("_", 1)[1].isdigit()]
+    versions = sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))
+    for csv_path in reversed(versions):
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and all(r.get("accelerator") == accelerator for r in rows):
+            return rows, csv_path.parent
+    return [], None
 
 
 def main(args: list[str] | None = None) -> Path:

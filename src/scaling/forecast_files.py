@@ -1,0 +1,161 @@
+"""The scaling predictor's files: forecast.md (table and assumptions), forecast.csv and forecast.png.
+
+Each file is written under a temporary name and renamed, so a reader never sees half a file.
+"""
+
+import csv
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from src.scaling.cost_model import StepPrediction
+
+
+@dataclass
+class Row:
+    """One line of forecast.csv: a `StepPrediction` in milliseconds, plus seconds per epoch.
+
+    Args:
+        algorithm: Allreduce algorithm.
+        devices: Devices (replicas).
+        nodes: Nodes they span.
+        global_batch: Images per optimizer step.
+        images_per_replica: Images per step on each replica.
+        compute_ms: Compute per step and replica, milliseconds.
+        exchange_ms: Gradient exchange per step, milliseconds.
+        hidden_ms: Part of the exchange hidden behind backward, milliseconds.
+        step_ms: Step time, milliseconds.
+        sec_per_epoch: Seconds per epoch.
+        images_per_s: Training throughput, images/s.
+        speedup: Throughput over one device's.
+        efficiency: Speedup / devices.
+    """
+
+    algorithm: str
+    devices: int
+    nodes: int
+    global_batch: int
+    images_per_replica: float
+    compute_ms: float
+    exchange_ms: float
+    hidden_ms: float
+    step_ms: float
+    sec_per_epoch: float
+    images_per_s: float
+    speedup: float
+    efficiency: float
+
+
+def forecast_row(p: StepPrediction, epoch_images: int) -> Row:
+    """The row of prediction `p`; an epoch is ceil(epoch_images / global batch) steps."""
+    steps = math.ceil(epoch_images / p.global_batch)
+    return Row(p.algorithm, p.devices, p.nodes, p.global_batch, p.images_per_replica, p.compute_s * 1e3,
+               p.exchange_s * 1e3, p.hidden_s * 1e3, p.step_s * 1e3, steps * p.step_s, p.images_per_s, p.speedup,
+               p.efficiency)
+
+
+def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, measured_from: str = "") -> Path:
+    """Write forecast.md: the table, then every input with its provenance.
+
+    Args:
+        rows: The predictions.
+        notes: One line per input (network, batch, compute, links, overlap, model).
+        out: Folder to write into (it exists).
+        title: Heading.
+        measured_from: Folder of the scaling report whose points the plot shows, or "" for none.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        OSError: The folder cannot be written.
+    """
+    header = ["algorithm", "devices", "nodes", "global batch", "images/replica", "compute ms", "exchange ms",
+              "hidden ms", "step ms", "sec/epoch", "images/s", "speedup", "efficiency"]
+    lines = [f"# {title}", "", "Predicted, not measured.", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append(f"| {r.algorithm} | {r.devices} | {r.nodes} | {r.global_batch} | {r.images_per_replica:g} "
+                     f"| {r.compute_ms:.3f} | {r.exchange_ms:.3f} | {r.hidden_ms:.3f} | {r.step_ms:.3f} "
+                     f"| {r.sec_per_epoch:.2f} | {r.images_per_s:,.0f} | {r.speedup:.2f} | {r.efficiency:.3f} |")
+    lines += ["", "## Inputs and assumptions", "", *[f"- {n}" for n in notes]]
+    if measured_from:
+        lines += ["", f"Measured points drawn on the plot: {measured_from}/scaling.csv"]
+    (out / ".forecast.md.tmp").write_text("\n".join(lines) + "\n")
+    os.replace(out / ".forecast.md.tmp", out / "forecast.md")
+    return out / "forecast.md"
+
+
+def write_csv(rows: list[Row], out: Path) -> Path:
+    """Write forecast.csv, one line per row, columns named as `Row`'s fields.
+
+    Args:
+        rows: The predictions, at least one.
+        out: Folder to write into (it exists).
+
+    Returns:
+        The file's path.
+
+    Raises:
+        OSError: The folder cannot be written.
+    """
+    with open(out / ".forecast.csv.tmp", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    os.replace(out / ".forecast.csv.tmp", out / "forecast.csv")
+    return out / "forecast.csv"
+
+
+def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] = ()) -> Path:
+    """Write forecast.png: images/s and efficiency against devices, one line per algorithm.
+
+    Args:
+        rows: The predictions, at least one.
+        out: Folder to write into (it exists).
+        title: The figure's title ("(predicted)" is appended).
+        measured: Rows of a scaling report's CSV (strategy, devices, images_per_s, efficiency), drawn as crosses.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        OSError: The folder cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ips, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r.algorithm for r in rows):
+        pts = [r for r in rows if r.algorithm == name]
+        ax_ips.plot([r.devices for r in pts], [r.images_per_s for r in pts], marker="o", label=f"{name} (predicted)")
+        ax_eff.plot([r.devices for r in pts], [r.efficiency for r in pts], marker="o", label=f"{name} (predicted)")
+    for strategy in dict.fromkeys(m["strategy"] for m in measured):
+        pts = [m for m in measured if m["strategy"] == strategy]
+        kw = dict(marker="x", s=60, zorder=3, label=f"{strategy} (measured)")
+        ax_ips.scatter([int(m["devices"]) for m in pts], [float(m["images_per_s"]) for m in pts], **kw)
+        ax_eff.scatter([int(m["devices"]) for m in pts], [float(m["efficiency"]) for m in pts], **kw)
+    counts = sorted({r.devices for r in rows})
+    for ax, label in ((ax_ips, "training throughput (images/s)"), (ax_eff, "efficiency = speedup / devices")):
+        if counts[-1] > 8 * counts[0]:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlabel("devices")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if max(r.images_per_s for r in rows) > 100 * min(r.images_per_s for r in rows):
+        ax_ips.set_yscale("log")
+    else:
+        ax_ips.set_ylim(bottom=0)
+    ax_eff.set_ylim(0, 1.05 * max(1.0, *(r.efficiency for r in rows)))
+    ax_eff.legend(fontsize=8)
+    fig.suptitle(f"{title} (predicted)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / ".forecast.tmp.png", dpi=110)
+    plt.close(fig)
+    os.replace(out / ".forecast.tmp.png", out / "forecast.png")
+    return out / "forecast.png"

@@ -1,0 +1,83 @@
+"""What the scaling predictor counts from the experiment's network: gradient bytes, FLOPs per image, buckets.
+
+The network is built (on the CPU, one 28x28 image through it), so this module imports torch and the model's
+module, but only when `inspect_network` is called.
+"""
+
+import importlib
+from dataclasses import dataclass
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and split_allreduce's default bucket_cap_mb, in bytes
+
+
+@dataclass(frozen=True)
+class Network:
+    """What the predictor needs of the experiment's network.
+
+    Args:
+        class_name: LightningModule class name (the key of measured steps and calibrations).
+        parameters: Trainable parameters.
+        gradient_bytes: Bytes of gradients per replica (parameters x 4 for float32).
+        train_flops_per_image: Forward + backward FLOPs of one 28x28 image, counted from conv and dense layers
+            (2 per multiply-add, backward = 2x forward); BatchNorm, activations and pooling are left out.
+        last_bucket_share: Share of the gradient bytes in the bucket that holds the first layer's gradient,
+            the last one backward fills, with 25 MiB buckets filled in reverse parameter order.
+        buckets: Number of such buckets (one allreduce call each).
+        gradient_dtypes: Names of the gradients' dtypes, e.g. ("float32",).
+    """
+
+    class_name: str
+    parameters: int
+    gradient_bytes: int
+    train_flops_per_image: float
+    last_bucket_share: float
+    buckets: int
+    gradient_dtypes: tuple[str, ...] = ("float32",)
+
+
+def inspect_network(class_path: str, init_args: dict | None = None) -> Network:
+    """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
+
+    The buckets are those of `src.strategies.comm.buckets.bucket_indices` at 25 MiB, the plan that
+    split_allreduce exchanges and that matches DDP's for a network of one dtype.
+
+    Args:
+        class_path: e.g. src.models.classifier.ResNet18Classifier.
+        init_args: Its keyword arguments (from the config).
+
+    Returns:
+        The network's numbers.
+
+    Raises:
+        ImportError, AttributeError: `class_path` names no importable class.
+    """
+    import torch
+    from torch import nn
+
+    from src.strategies.comm.buckets import bucket_indices
+
+    module_name, _, cls_name = class_path.rpartition(".")
+    module = getattr(importlib.import_module(module_name), cls_name)(**(init_args or {}))
+    net = getattr(module, "net", module)
+    params = [p for p in net.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    macs = [0]
+
+    def hook(layer, inputs, output):
+        if isinstance(layer, nn.Conv2d):
+            k = layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
+            macs[0] += output[0].numel() * k
+        else:
+            macs[0] += layer.in_features * layer.out_features
+
+    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        net.eval()(torch.zeros(1, 1, 28, 28, dtype=next(net.parameters()).dtype))
+    for h in handles:
+        h.remove()
+    buckets = bucket_indices(params, DDP_BUCKET_BYTES)
+    # the first layer's gradient is the last one backward produces: its bucket can only be sent after backward
+    last = next(bucket for bucket in buckets if 0 in bucket)
+    dtypes = tuple(dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params))
+    return Network(cls_name, sum(p.numel() for p in params), sum(sizes), 3 * 2 * macs[0],
+                   sum(sizes[i] for i in last) / sum(sizes), len(buckets), dtypes)
