@@ -14,10 +14,10 @@ from src.strategies.layout import ParallelLayout, parallel_layout
 def layout_words(layout: ParallelLayout) -> str:
     """Where the replicas run, for the epoch line: "[cpu]", "[cpu, cpu]" (this node's devices: DDP's processes or
     our replicas of one process), "2 processes x [cpu, cpu]" (ours, each process's replicas)."""
-    if layout.strategy == "split_allreduce":
-        devices = f"[{', '.join(str(d) for d in layout.replica_devices)}]"
-        return f"{layout.processes} processes x {devices}" if layout.processes > 1 else devices
-    return f"[{', '.join(str(d) for d in layout.process_devices)}]"
+    devices = f"[{', '.join(str(d) for d in layout.listed_devices)}]"
+    if layout.strategy == "split_allreduce" and layout.processes > 1:
+        return f"{layout.processes} processes x {devices}"
+    return devices
 
 
 class EpochReport(pl.Callback):

@@ -38,11 +38,10 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
     `src.strategies.comm.vocabulary.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
     """
     layout = parallel_layout(trainer.strategy)
-    devices = layout.replica_devices if layout.strategy == "split_allreduce" else layout.process_devices
     weights = layout.split_weights
     return {
         "run/strategy": layout.strategy,
-        "run/replica_devices": ",".join(str(d) for d in devices),
+        "run/replica_devices": ",".join(str(d) for d in layout.listed_devices),
         "run/world_size": layout.processes,
         "run/replicas_per_process": layout.replicas_per_process,
         "run/global_batch": global_batch if global_batch is not None else "unknown",

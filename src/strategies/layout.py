@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from src.sharding import replicas_text
 from src.strategies.comm.vocabulary import exchange_name
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 
@@ -61,10 +62,15 @@ class ParallelLayout:
         """
         return self._shares() if self._shares is not None else None
 
+    @property
+    def listed_devices(self) -> tuple[torch.device, ...]:
+        """The devices a run names (epoch line, HPARAMS): each process's replicas under split_allreduce, this
+        node's processes' devices under DDP and single."""
+        return self.replica_devices if self.strategy == "split_allreduce" else self.process_devices
+
     def describe(self) -> str:
         """The replicas in words, e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
-        processes = f"{self.processes} process{'es' if self.processes > 1 else ''}"
-        return f"replicas ({processes} x {self.replicas_per_process}; rank 0's replicas first)"
+        return replicas_text(self.processes, self.replicas_per_process)
 
 
 def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
