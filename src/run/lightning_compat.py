@@ -152,3 +152,17 @@ def reduce_across_processes(tensor: torch.Tensor, group: Any, reduce_op: Any) ->
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
     return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def all_threads_profiler_config() -> Any:
+    """The `experimental_config` that makes `torch.profiler.profile` record every thread's spans, or None.
+
+    torch 2.14's profiler records `record_function` spans of the thread that started it only, unless its
+    experimental config asks for all threads (`profile_all_threads`); the lockstep replicas of sync BatchNorm
+    and gloo's collectives run on other threads. The config class is private (`torch.profiler._ExperimentalConfig`);
+    a torch without the option gets None, and the timeline then shows the starting thread only.
+    """
+    try:
+        return torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None

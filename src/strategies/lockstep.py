@@ -15,7 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from src.strategies.parallel_apply import prepare_replica
+from src.strategies.parallel_apply import phase_name, prepare_replica
+from src.timeline.labels import replica_phase
 
 RENDEZVOUS_TIMEOUT_S = 300.0  # last resort: a replica that never reaches a layer the others wait at
 
@@ -142,7 +143,8 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
 
     def work(k: int) -> None:
         try:
-            with torch.set_grad_enabled(grad_enabled), step_context(), _silenced(replicas[k]):
+            with torch.set_grad_enabled(grad_enabled), step_context(), _silenced(replicas[k]), \
+                    replica_phase(k, phase_name(step)):
                 outputs[k] = getattr(replicas[k], step)(moved[k], *args, **kwargs)
         except BaseException as err:  # handed to the calling thread, which re-raises it
             errors[k] = err
@@ -153,7 +155,8 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
     try:
         for thread in threads:
             thread.start()
-        outputs[first] = getattr(replicas[first], step)(moved[first], *args, **kwargs)
+        with replica_phase(first, phase_name(step)):
+            outputs[first] = getattr(replicas[first], step)(moved[first], *args, **kwargs)
     except BaseException as err:  # also a failed thread start: release the replicas already waiting
         errors[first] = err
         rendezvous.abort()

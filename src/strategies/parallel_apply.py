@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 
 from src.run.lightning_compat import copy_hook_name, transfer_batch
+from src.timeline.labels import replica_phase
 
 
 def _synced_clock(device: torch.device) -> float:
@@ -28,6 +29,11 @@ def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, de
             target.training = source.training
         copy_hook_name(replica0, replica)
     return transfer_batch(replica0, shard, device)
+
+
+def phase_name(step: str) -> str:
+    """The timeline's name for a step hook: "forward" for training_step, else the hook's name."""
+    return "forward" if step == "training_step" else step
 
 
 def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], shards: list[Any],
@@ -62,7 +68,8 @@ def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
         replica, device = replicas[k], devices[k]
         shard = prepare_replica(replicas, k, shards[k], device)
         start = _synced_clock(device) if timed else 0.0
-        outputs[k] = getattr(replica, step)(shard, *args, **kwargs)
+        with replica_phase(k, phase_name(step)):
+            outputs[k] = getattr(replica, step)(shard, *args, **kwargs)
         if timed:
             seconds[k] = _synced_clock(device) - start
     return outputs, seconds

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
+from src.timeline.labels import replica_phase
 
 BUFFER_SYNC_MODES = ("broadcast", "mean")
 
@@ -115,12 +116,13 @@ def step_other_replicas_(optimizer: torch.optim.Optimizer, replicas: list[nn.Mod
     Lightning clipped replica 0's gradients (`clipped`), replica 0's gradients, so every replica makes the same
     update.
     """
-    for replica, opt in zip(replicas[1:], optimizers):
-        copy_hyperparameters_(optimizer, opt)
-        if clipped:
-            copy_gradients_(replicas[0], replica)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    for k, (replica, opt) in enumerate(zip(replicas[1:], optimizers), start=1):
+        with replica_phase(k, "optimizer"):
+            copy_hyperparameters_(optimizer, opt)
+            if clipped:
+                copy_gradients_(replicas[0], replica)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
 
 def check_buffer_mode(mode: str) -> None:

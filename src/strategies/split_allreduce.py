@@ -1,6 +1,7 @@
 """Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes."""
 
+from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -22,15 +23,17 @@ from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
 from src.strategies.lockstep import SyncGroup, lockstep_apply
 from src.strategies.parallel_apply import parallel_apply
-from src.strategies.process_sync import check_all_in_sync, count_global_batch, gather_rates, sync_all_buffers_
+from src.strategies.process_sync import count_global_batch, gather_rates, sync_all_buffers_
 from src.strategies.processes import ProcessesParallelStrategy
-from src.strategies.replicate import (clone_optimizer, make_replicas, merge_metrics_, metric_pairs,
-                                      replica_tensor, step_other_replicas_)
+from src.strategies.replica_access import ReplicaAccess
+from src.strategies.replicate import clone_optimizer, make_replicas, merge_metrics_, metric_pairs, step_other_replicas_
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
 from src.strategies.sync_batchnorm import convert_, revert_
+from src.strategies.replica_backward import backward_per_replica
+from src.timeline.labels import phase, recording
 
 
-class SplitAllreduceStrategy(ProcessesParallelStrategy):
+class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
     """Data parallelism by hand: P processes (`trainer.devices` per node x `trainer.num_nodes`), each holding K
     model replicas (`devices` or `replicas_per_process`), every global batch split across all P x K of them.
 
@@ -100,6 +103,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
         self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
+        self._loss_terms: list[tuple[int, Tensor]] | None = None  # per replica, while a step timeline records
 
     @property
     def replica_devices(self) -> list[torch.device]:
@@ -199,13 +203,15 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
     def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict) -> list[tuple[int, Any]]:
         """Scatter `batch`, run `step` on every replica, merge their metrics; [(n_k, output_k)] by replica."""
         sizes = self.shard_sizes(batch_size_of(batch))
+        with phase("scatter"):
+            shards = scatter(batch, sizes)
         timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
         if self.sync_group is not None and step == "training_step":  # sync_batchnorm: replicas in lockstep
-            outputs = lockstep_apply(self.replicas, self.replica_devices, scatter(batch, sizes), sizes, step, args,
-                                     kwargs, self.sync_group, self.precision_plugin.train_step_context)
+            outputs = lockstep_apply(self.replicas, self.replica_devices, shards, sizes, step, args, kwargs,
+                                     self.sync_group, self.precision_plugin.train_step_context)
         else:
-            outputs, seconds = parallel_apply(self.replicas, self.replica_devices, scatter(batch, sizes), sizes, step,
-                                              args, kwargs, timed=timed)
+            outputs, seconds = parallel_apply(self.replicas, self.replica_devices, shards, sizes, step, args, kwargs,
+                                              timed=timed)
             if timed:
                 self.auto_split.record(sizes, seconds)
         for pairs in self._metric_pairs:
@@ -222,10 +228,22 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             if self.multi_process else (lambda: n)
         with self.precision_plugin.train_step_context():
             results = self._run_replicas("training_step", args[0], args[1:], kwargs)
-        total = total()
+        with phase("wait/global batch size"):
+            total = total()
         if any(n and out is None for n, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
-        return gather_losses(results, self.root_device, total)
+        self._loss_terms = [] if recording() and self.sync_group is None else None
+        with phase("gather"):
+            return gather_losses(results, self.root_device, total, self._loss_terms)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """One backward through the gathered loss; one per replica while a step timeline records."""
+        terms, self._loss_terms = self._loss_terms, None
+        if terms and len(terms) > 1:
+            return backward_per_replica(self, terms, closure_loss, optimizer, *args, **kwargs)
+        with phase("backward (all replicas)") if self.sync_group is not None else nullcontext():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -262,7 +280,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
     def _after_update(self) -> None:
         """Sync buffers, count the step, fix an auto split when measured, check sync when due."""
         if any(True for _ in self.lightning_module.buffers()):
-            sync_all_buffers_(self.replicas, self.sync_buffers_mode, self.multi_process)
+            with phase("sync buffers"):
+                sync_all_buffers_(self.replicas, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
         if self.split_weights == "auto":  # every process's rates, gathered so that all ranks fix the same shares
             gather = partial(gather_rates, rank=self.global_rank, world=self.world_size, device=self.root_device)
@@ -272,24 +291,6 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
                 self.shares.fix(weights)
         if self.check_sync_every and self.optimizer_steps % self.check_sync_every == 0:
             self.check_replicas_in_sync()
-
-    @property
-    def bytes_sent(self) -> list[int]:
-        """Bytes each device sent in the last optimizer step's allreduce."""
-        return self.exchange.bytes_sent if self.exchange is not None else []
-
-    def replica_parameter(self, k: int, name: str) -> Tensor:
-        """Replica k's copy of a named parameter or buffer (e.g. "net.features.0.bias"), on its device.
-
-        Raises:
-            IndexError: If there is no replica k. KeyError: If there is no such name.
-        """
-        return replica_tensor(self.replicas, k, name)
-
-    def check_replicas_in_sync(self) -> None:
-        """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
-        (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
-        check_all_in_sync(self.replicas, self.replica_devices, self.optimizer_steps, self.multi_process)
 
 
 # `trainer.strategy: split_allreduce` works once this module is imported

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from src.strategies.comm.allreduce import nbytes, allreduce_
 from src.strategies.comm.hierarchical import two_level_allreduce_
+from src.timeline.labels import phase
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
@@ -54,7 +55,7 @@ def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
 
 
 def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
-                      between: Callable[[Tensor], int | None] | None = None) -> list[int]:
+                      between: Callable[[Tensor], int | None] | None = None, index: int = 0) -> list[int]:
     """Allreduce (sum) the `.grad` of one bucket across K replicas, in place.
 
     Args:
@@ -63,20 +64,23 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
         algorithm: "reduce_broadcast" or "ring".
         between: With several processes, the allreduce between them: the sum then covers every replica of
             every process (`src.strategies.comm.hierarchical.two_level_allreduce_`). None: this process only.
+        index: The bucket's number, for its span in the step timeline (`dp/allreduce bucket <index>`).
 
     Returns:
         Bytes sent by each of the K devices.
     """
-    flats = [flatten([p.grad for p in group]) for group in members]
-    sent = allreduce_(flats, algorithm) if between is None else two_level_allreduce_(flats, algorithm, between)
-    for group, flat in zip(members, flats):
-        copy_back_(flat, [p.grad for p in group])
+    with phase(f"allreduce bucket {index}"):
+        flats = [flatten([p.grad for p in group]) for group in members]
+        sent = allreduce_(flats, algorithm) if between is None else two_level_allreduce_(flats, algorithm, between)
+        for group, flat in zip(members, flats):
+            copy_back_(flat, [p.grad for p in group])
     return sent
 
 
 def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: str,
                          cap_bytes: int = 25 * 2**20, buckets: Sequence[Sequence[int]] | None = None,
-                         between: Callable[[Tensor], int | None] | None = None) -> list[int]:
+                         between: Callable[[Tensor], int | None] | None = None,
+                         bucket_ids: Sequence[int] | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
 
     In one process, a parameter whose gradient is None on every replica is left alone (as on one device);
@@ -92,6 +96,7 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         buckets: Fixed buckets of parameter indices to reduce (default: `bucket_indices` over the parameters
             that have a gradient somewhere).
         between: The allreduce between processes, or None (see `allreduce_bucket_`).
+        bucket_ids: The numbers of `buckets` in the step timeline (default 0, 1, ...).
 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
@@ -112,9 +117,9 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
     else:
         alive = set(live)
         buckets = [[i for i in bucket if i in alive] for bucket in buckets]
-    for bucket in buckets:
+    for b, bucket in zip(bucket_ids or range(len(buckets)), buckets):
         if bucket:
             members = [[ps[i] for i in bucket] for ps in replica_params]
-            for dev, n in enumerate(allreduce_bucket_(members, algorithm, between)):
+            for dev, n in enumerate(allreduce_bucket_(members, algorithm, between, b)):
                 sent[dev] += n
     return sent

@@ -60,7 +60,7 @@ class GradientExchange:
                                                    between=self.between)
         else:
             rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left],
-                                        between=self.between)
+                                        between=self.between, bucket_ids=left)
             self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
         return out
 
@@ -76,7 +76,7 @@ class GradientExchange:
 
     def _reduce_in_backward(self, b: int) -> None:
         members = [[ps[i] for i in self.buckets[b]] for ps in self.params]
-        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm, self.between)):
+        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm, self.between, b)):
             self._sent_in_backward[dev] += n
 
 

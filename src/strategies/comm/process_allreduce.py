@@ -16,6 +16,7 @@ from torch import Tensor
 
 from src.strategies.comm.allreduce import ring_chunk_sizes, ring_step
 from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, check_choice
+from src.timeline.labels import phase
 
 
 
@@ -91,6 +92,11 @@ def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None],
 
 
 def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
-    """The implementation called `name` over the default (world) process group, as a function of the buffer."""
+    """The implementation called `name` over the default (world) process group, as a function of the buffer;
+    each call is a `dp/allreduce (processes)` span in the step timeline."""
     implementation = process_allreduce(name)
-    return lambda buffer: implementation(buffer, None)
+
+    def between_processes(buffer: Tensor) -> int | None:
+        with phase("allreduce (processes)"):
+            return implementation(buffer, None)
+    return between_processes

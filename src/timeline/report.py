@@ -1,0 +1,46 @@
+"""The per-step breakdown as a table: one row per process, medians over the recorded steps, in ms and as a
+fraction of the step (markdown for people, CSV for tools)."""
+
+import csv
+import io
+
+from src.timeline.breakdown import CATEGORIES
+
+COLUMNS = ("step", *CATEGORIES, "hidden_communication")
+HEADINGS = {"step": "step", "compute": "compute", "communication": "exposed communication",
+            "waiting": "waiting", "loop": "loop overhead", "unattributed": "unattributed",
+            "hidden_communication": "hidden communication"}
+
+
+def table_rows(medians: list[dict[str, float]], steps: list[int]) -> list[dict[str, float | int]]:
+    """One row per rank: its median ms of every column (`<col>_ms`) and fraction of the median step
+    (`<col>_fraction`), with `rank` and the number of `steps` the medians are over."""
+    rows = []
+    for rank, (median, n) in enumerate(zip(medians, steps)):
+        row: dict[str, float | int] = {"rank": rank, "steps": n}
+        for col in COLUMNS:
+            row[f"{col}_ms"] = round(median[col], 3)
+            row[f"{col}_fraction"] = round(median[col] / median["step"], 4) if median["step"] else 0.0
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, float | int]], title: str) -> str:
+    """A markdown table: "ms (percent of the step)" per category, one line per rank."""
+    head = ["rank", "steps", *(HEADINGS[c] for c in COLUMNS)]
+    lines = [f"**{title}** (median over the recorded steps; ms, and % of the step)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [str(row["rank"]), str(row["steps"]), f"{row['step_ms']:.1f}"]
+        cells += [f"{row[f'{c}_ms']:.1f} ({100 * row[f'{c}_fraction']:.0f}%)" for c in COLUMNS[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict[str, float | int]]) -> str:
+    """The rows as CSV with a header line."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
