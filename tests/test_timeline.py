@@ -1,0 +1,113 @@
+"""The step timeline: labelled phases in real traces, categories measured from intervals, and nothing when off."""
+
+import csv
+
+import pytest
+import torch
+
+from src.callbacks import StepTimeline
+from src.timeline import labels
+from src.timeline.breakdown import CATEGORIES, Span, classify_step, load_spans, process_breakdown
+from tests.helpers.runs import ddp, fit
+
+OURS_LABELS = {"dp/scatter", "dp/replica 0/forward", "dp/replica 1/forward", "dp/replica 0/backward",
+               "dp/replica 1/backward", "dp/replica 1/optimizer", "dp/allreduce bucket 0", "dp/gather", "dp/loop"}
+
+
+def _names(path):
+    return {s.name for s in load_spans(path)}
+
+
+def _check_breakdown(folder, ranks):
+    """Every recorded step splits into the categories, with at most 10% unattributed; the table agrees."""
+    for rank in range(ranks):
+        rows = process_breakdown(load_spans(folder / f"trace-rank{rank}.json"))
+        assert len(rows) == 3
+        for row in rows:
+            assert sum(row[c] for c in CATEGORIES) == pytest.approx(row["step"], rel=1e-9)
+            assert row["compute"] > 0 and row["unattributed"] <= 0.10 * row["step"], row
+    table = list(csv.DictReader((folder / "breakdown.csv").open()))
+    assert [int(r["rank"]) for r in table] == list(range(ranks))
+    assert all(float(r["unattributed_fraction"]) <= 0.10 for r in table)
+    assert (folder / "timeline.png").stat().st_size > 10_000
+    assert "exposed communication" in (folder / "breakdown.md").read_text()
+
+
+def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
+    from src.strategies import SplitAllreduceStrategy
+
+    timeline = StepTimeline(start_step=2, steps=3, dirpath=str(tmp_path / "tl"))
+    fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=7, callbacks=[timeline])
+    assert timeline.written == tmp_path / "tl"
+    names = _names(tmp_path / "tl" / "trace-rank0.json")
+    assert OURS_LABELS <= names, OURS_LABELS - names
+    assert {f"dp/step {i}" for i in (2, 3, 4)} <= names and "dp/step 1" not in names and "dp/step 5" not in names
+    _check_breakdown(tmp_path / "tl", ranks=1)
+    assert not labels.recording()
+
+
+def test_ddp_two_processes(tiny_data_dir, tmp_path):
+    fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=24, callbacks=[StepTimeline(start_step=2, steps=3,
+                                                                          dirpath=str(tmp_path / "tl"))])
+    for rank in (0, 1):
+        spans = load_spans(tmp_path / "tl" / f"trace-rank{rank}.json")
+        loop_thread = next(s.tid for s in spans if s.name.startswith("dp/step"))
+        assert {"dp/replica 0/forward", "dp/replica 0/backward", "dp/loop"} <= {s.name for s in spans}
+        # DDP's bucket allreduce runs on gloo's thread, recorded by torch without any label of ours
+        assert any(s.name == "gloo:all_reduce" and s.tid != loop_thread for s in spans)
+    _check_breakdown(tmp_path / "tl", ranks=2)
+
+
+def test_categories_are_measured_from_intervals():
+    """A made-up step (microseconds): loop 0-10, forward 10-40 with ops, backward 40-80 with ops to 60 while a
+    collective runs elsewhere 50-75, an allreduce 80-90 on the loop thread, wait 90-95, nothing 95-100."""
+    t = 7
+    spans = [Span("dp/step 3", 0, 100, t, "user_annotation"), Span("dp/loop", 0, 10, t, "user_annotation"),
+             Span("dp/replica 0/forward", 10, 40, t, "user_annotation"), Span("aten::conv2d", 12, 38, t, "cpu_op"),
+             Span("dp/replica 0/backward", 40, 80, t, "user_annotation"), Span("ConvBackward", 40, 60, t, "cpu_op"),
+             Span("gloo:all_reduce", 50, 75, 8, "user_annotation"),
+             Span("dp/allreduce bucket 0", 80, 90, t, "user_annotation"), Span("aten::add_", 81, 89, t, "cpu_op"),
+             Span("dp/wait/global batch size", 90, 95, t, "user_annotation")]
+    row = classify_step(spans, spans[0])
+    ms = {k: round(v * 1000, 6) for k, v in row.items()}
+    # compute: forward 10-40 and backward 40-60, plus 75-80 (no op but no collective either)
+    assert ms == {"compute": 55.0, "communication": 25.0, "waiting": 5.0, "loop": 10.0, "unattributed": 5.0,
+                  "hidden_communication": 10.0, "step": 100.0}
+
+
+def test_recording_backward_per_replica_is_bitwise_the_same(tiny_data_dir, tmp_path):
+    """While recording, our strategy backpropagates each replica's term on its own: the same weights, bit for bit."""
+    from src.strategies import SplitAllreduceStrategy
+
+    plain, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=6)
+    traced, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=6,
+                       callbacks=[StepTimeline(start_step=1, steps=4, dirpath=str(tmp_path))])
+    assert "dp/replica 1/backward" in _names(tmp_path / "trace-rank0.json")
+    for (name, a), b in zip(plain.state_dict().items(), traced.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_off_by_default_nothing_is_profiled(tiny_data_dir, monkeypatch):
+    """Without the callback no profiler is made and no label creates a record_function."""
+    from src.strategies import SplitAllreduceStrategy
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("profiled although no timeline was asked for")
+
+    monkeypatch.setattr(labels, "record_function", refuse)
+    monkeypatch.setattr(torch.profiler.profile, "__init__", refuse)
+    fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=3)
+    assert not labels.recording()
+
+
+def test_window_the_fit_does_not_finish_keeps_complete_steps(tiny_data_dir, tmp_path):
+    timeline = StepTimeline(start_step=1, steps=10, dirpath=str(tmp_path))
+    fit(tiny_data_dir, steps=4, callbacks=[timeline])
+    table = list(csv.DictReader((tmp_path / "breakdown.csv").open()))
+    assert [r["steps"] for r in table] == ["2"]  # steps 1 and 2; step 3 was cut short by the end of training
+    assert "dp/step 3" in _names(tmp_path / "trace-rank0.json") and not labels.recording()
+
+
+def test_bad_window_is_refused():
+    with pytest.raises(ValueError, match="steps >= 2"):
+        StepTimeline(start_step=0, steps=1)
