@@ -7,6 +7,7 @@ FMNIST_DEBUG=1) shows the full traceback instead.
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -21,6 +22,9 @@ from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files,
 from src.run.launch_checks import check_before_run
 from src.run.lightning_compat import give_lost_rank_reports_time
 from src.run.logger import RunLogger, run_hparams, run_tag
+from src.run.threads import apply as use_threads
+from src.run.threads import choose_threads
+from src.strategies.layout import parallel_layout
 
 
 class CLI(LightningCLI):
@@ -30,6 +34,9 @@ class CLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--test_after_fit", type=bool, default=False,
                             help="After fit, run the test set on the best checkpoint and log test/acc.")
+        parser.add_argument("--threads", type=Optional[int], default=None,
+                            help="Intra-op threads per training process (default: OMP_NUM_THREADS if set, else the "
+                                 "cores left free by other programs, divided among this machine's processes).")
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would take the model's class and hyperparameters from a --ckpt_path checkpoint, so a
@@ -52,6 +59,8 @@ class CLI(LightningCLI):
         if not any(isinstance(c, ProcessGroupCleanup) for c in self.trainer.callbacks):
             self.trainer.callbacks.append(ProcessGroupCleanup())  # reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
+        processes = parallel_layout(self.trainer.strategy).processes // max(self.trainer.num_nodes, 1)
+        use_threads(choose_threads(self.config[self.subcommand].get("threads"), processes))
         logger = self.trainer.logger
         if isinstance(logger, RunLogger):
             stage = "" if self.subcommand == "fit" else f"{self.subcommand}/"

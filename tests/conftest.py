@@ -8,6 +8,9 @@ from tests.helpers import cli_args
 from tests.helpers.idx import write_fashion_mnist
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
+# One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
+# cores), so no run's thread count depends on how busy the machine is (src/run/threads.py)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

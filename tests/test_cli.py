@@ -7,7 +7,8 @@ import torch
 
 from src.cli import main
 
-CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name != "defaults.yaml")
+# experiments; defaults.yaml is read before every run and profile.yaml is an overlay (tests/test_timeline.py)
+CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name not in ("defaults.yaml", "profile.yaml"))
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -111,3 +111,24 @@ def test_window_the_fit_does_not_finish_keeps_complete_steps(tiny_data_dir, tmp_
 def test_bad_window_is_refused():
     with pytest.raises(ValueError, match="steps >= 2"):
         StepTimeline(start_step=0, steps=1)
+
+
+def test_profile_overlay_through_the_cli(tiny_data_dir, tmp_path, caplog):
+    """The shipped overlay on a real CLI run: the files land in the run's folder and the line says where."""
+    import logging
+
+    from src.cli import main
+    from tests.helpers.cli_args import data_args, trainer_args
+
+    with caplog.at_level(logging.INFO):
+        main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/profile.yaml",
+              *data_args(tiny_data_dir, batch_size=16), *trainer_args(tmp_path / "logs"), "--trainer.max_steps", "26"])
+    folder = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "timeline"
+    assert f"step timeline of training steps 20-24: {folder}/timeline.png" in caplog.text
+    assert {p.name for p in folder.iterdir()} == {"trace-rank0.json", "timeline.png", "breakdown.md", "breakdown.csv"}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(folder.parent))
+    ea.Reload()
+    assert "timeline/steps" in ea.Tags()["images"]
+    assert {"timeline/rank0/compute_ms", "timeline/rank0/unattributed_ms"} <= set(ea.Tags()["scalars"])

@@ -11,19 +11,23 @@ from src.strategies.layout import ParallelLayout, parallel_layout
 
 
 
-def layout_words(layout: ParallelLayout) -> str:
+def layout_words(layout: ParallelLayout, threads: int | None = None) -> str:
     """Where the replicas run, for the epoch line: "[cpu]", "[cpu, cpu]" (this node's devices: DDP's processes or
-    our replicas of one process), "2 processes x [cpu, cpu]" (ours, each process's replicas)."""
+    our replicas of one process), "2 processes x [cpu, cpu]" (ours, each process's replicas); with `threads`,
+    the intra-op threads too: "[cpu] (2 threads)", "[cpu, cpu] (1 thread each)"."""
     devices = f"[{', '.join(str(d) for d in layout.listed_devices)}]"
     if layout.strategy == "split_allreduce" and layout.processes > 1:
-        return f"{layout.processes} processes x {devices}"
-    return devices
+        devices = f"{layout.processes} processes x {devices}"
+    if threads is None:
+        return devices
+    each = " each" if layout.processes > 1 else ""
+    return f"{devices} ({threads} thread{'s' if threads > 1 else ''}{each})"
 
 
 class EpochReport(pl.Callback):
     """Logs `time/epoch_s` (training seconds, validation excluded, as the d2l.ai chapters count it) and
     `throughput/images_per_s` (training images per second over all processes), then prints
-    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu]` on rank 0 (with the number of
+    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu] (2 threads)` on rank 0 (with the number of
     batches run when an epoch was cut short by max_steps or limit_train_batches).
 
     Also logs the medians over the epochs so far, `hp/epoch_s_median` and `hp/images_per_s_median` (metrics of
@@ -73,7 +77,7 @@ class EpochReport(pl.Callback):
         pl_module.log("hp/images_per_s_median", statistics.median(self.epoch_throughputs), on_epoch=True)
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
-        devices = layout_words(parallel_layout(trainer.strategy))
+        devices = layout_words(parallel_layout(trainer.strategy), torch.get_num_threads())
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "

@@ -32,7 +32,8 @@ def run_tag(trainer: "pl.Trainer") -> str:
 
 
 def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | None) -> dict[str, Any]:
-    """What tells runs apart in the HPARAMS table: strategy, layout, batch, precision, allreduce, versions.
+    """What tells runs apart in the HPARAMS table: strategy, layout, batch, precision, allreduce, intra-op threads
+    per process (`src.run.threads`), versions.
 
     `run/allreduce` names the whole job's gradient exchange in the vocabulary of
     `src.strategies.comm.vocabulary.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
@@ -49,6 +50,7 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
         "run/precision": str(trainer.precision),
         "run/allreduce": layout.allreduce,
         "run/backend": layout.backend or "none",
+        "run/threads": torch.get_num_threads(),
         "run/split_weights": "equal" if weights is None else str(weights),
         "run/seed": seed if seed is not None else "unset",
         "run/torch": torch.__version__,
