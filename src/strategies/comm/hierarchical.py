@@ -8,9 +8,9 @@ Two shapes, chosen by the in-process algorithm, both written out here and in `al
   other process; an all-gather among the K local replicas gives every replica every chunk. Every device sends
   2(K-1)/K·N bytes inside its process and 2(P-1)/P·N/K between processes (with the `ring` between them).
 * `reduce_broadcast` (d2l.ai's shape one level up; also the shape of Horovod's first hierarchical allreduce,
-  https://github.com/horovod/horovod/pull/329: reduce, allreduce, broadcast): sum on local replica 0, allreduce that one buffer between
-  the processes, copy it back to the other local replicas. Local replica 0 sends (K-1)·N bytes inside the
-  process and 2(P-1)/P·N between processes; every other device sends N.
+  https://github.com/horovod/horovod/pull/329: reduce, allreduce, broadcast): sum on local replica 0,
+  allreduce that one buffer between the processes, copy it back to the other local replicas. Local replica 0
+  sends (K-1)·N bytes inside the process and 2(P-1)/P·N between processes; every other device sends N.
 
 With K = 1 both are just the allreduce between processes.
 """
