@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from src.scaling.cost_model import (ALGORITHMS, Compute, Link, allreduce_s, fit_alpha_beta, fit_line, hierarchical_s,
-                                    predict_step, reduce_broadcast_s, relative_errors, ring_allreduce_s)
+from src.scaling.cost_model import (ALGORITHMS, Compute, Link, allreduce_s, expected_max_normal, fit_alpha_beta,
+                                    fit_line, hierarchical_s, predict_step, reduce_broadcast_s, relative_errors,
+                                    ring_allreduce_s)
 from src.scaling.forecast import main
 from src.scaling.network import DDP_BUCKET_BYTES, inspect_network
+from src.scaling.published import bounds_for
 from src.scaling.report import newest_report
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration
 from src.scaling.versions import next_version
@@ -55,9 +57,17 @@ def test_hierarchical_rings_inside_then_between_nodes():
     expected = (14 * 1e-6 + 14 / 8 * n * 1e-9) + (2 * 1e-5 + 1.0 * n / 8 * 1e-8)
     assert hierarchical_s(16, n, 8, intra, inter) == pytest.approx(expected)
     assert hierarchical_s(8, n, 8, intra, inter) == pytest.approx(ring_allreduce_s(8, n, intra))
-    # across nodes the flat ring runs at the slow link's pace, the hierarchical one sends n / 8 over it
-    assert allreduce_s("ring", 16, n, 8, intra, inter) == pytest.approx(ring_allreduce_s(16, n, inter))
-    assert allreduce_s("hierarchical", 16, n, 8, intra, inter) < allreduce_s("ring", 16, n, 8, intra, inter)
+    # across nodes the flat ring runs at the node's NICs together (8 by default, one per device), capped by
+    # the intra-node link; with one NIC it runs at that NIC's pace
+    assert allreduce_s("ring", 16, n, 8, intra, inter) == pytest.approx(ring_allreduce_s(16, n, Link(1e-5, 1e-8 / 8)))
+    assert allreduce_s("ring", 16, n, 8, intra, inter, nics=1) == pytest.approx(ring_allreduce_s(16, n, inter))
+    assert allreduce_s("ring", 16, n, 8, Link(1e-6, 1e-8), Link(1e-5, 1e-9)) == pytest.approx(
+        ring_allreduce_s(16, n, Link(1e-5, 1e-8)))
+    # the hierarchical algorithm sends n / 8 over the network; with 4 NICs for 8 devices each ring gets half one
+    assert allreduce_s("hierarchical", 16, n, 8, intra, inter, nics=1) < allreduce_s("ring", 16, n, 8, intra, inter,
+                                                                                      nics=1)
+    assert allreduce_s("hierarchical", 16, n, 8, intra, inter, nics=4) == pytest.approx(
+        hierarchical_s(16, n, 8, intra, Link(1e-5, 2e-8)))
     # reduce_broadcast across nodes: the root's 7 local neighbours on the fast link, 8 remote ones on the slow
     assert allreduce_s("reduce_broadcast", 16, 1000, 8, BYTES, Link(0.0, 2.0)) == pytest.approx(
         2 * 7 * 1000 + 2 * 8 * 2000)
@@ -179,9 +189,13 @@ def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
     assert [(r["algorithm"], r["devices"]) for r in rows] == [
         (a, d) for a in ("ring", "reduce_broadcast", "hierarchical") for d in ("1", "2", "4")]
     ring2 = rows[1]
-    # weak scaling by default: 8 per device, step = 4 ms + 8 * 50 us + the fitted loopback allreduce
+    # weak scaling by default: 8 per device, step = (4 ms + 8 * 50 us) x (1 + sync + jitter of the slower of
+    # two ranks, both halfway between their bounds) + the fitted loopback allreduce
+    jitter, sync = bounds_for(None).mid()
     assert ring2["global_batch"] == "16"
-    assert float(ring2["step_ms"]) == pytest.approx(4.4 + 1e3 * ring_allreduce_s(2, 516_272, Link(2e-4, 1e-9)))
+    assert float(ring2["step_ms"]) == pytest.approx(4.4 * (1 + sync + jitter * expected_max_normal(2))
+                                                    + 1e3 * ring_allreduce_s(2, 516_272, Link(2e-4, 1e-9)))
+    assert float(ring2["efficiency_low"]) <= float(ring2["efficiency"]) <= float(ring2["efficiency_high"])
     assert float(ring2["sec_per_epoch"]) == pytest.approx(59_900 / 16 * float(ring2["step_ms"]) / 1e3, rel=1e-3)
     md = (out / "forecast.md").read_text()
     assert "Predicted, not measured." in md and "[measured" in md and "[assumed]" in md and "[published]" in md
@@ -203,7 +217,9 @@ def test_user_numbers_replace_the_presets(tiny, tmp_path):
                 '["reduce_broadcast"]', "--seconds_per_image", "1e-4", "--overhead_s", "0.01", "--alpha_s", "0",
                 "--beta_s_per_byte", "1e-9", "--overlap", "0", "--messages", "1", "--out", str(tmp_path / "fc")])
     row = next(csv.DictReader(open(out / "forecast.csv")))
-    assert float(row["step_ms"]) == pytest.approx(10 + 8 * 0.1 + 2 * 516_272 * 1e-6)  # 8 images per device
+    jitter, sync = bounds_for(None).mid()
+    compute_ms = (10 + 8 * 0.1) * (1 + sync + jitter * expected_max_normal(2))  # 8 images per device
+    assert float(row["step_ms"]) == pytest.approx(compute_ms + 2 * 516_272 * 1e-6)
     assert "[user]" in (out / "forecast.md").read_text()
 
 
@@ -214,16 +230,21 @@ def test_user_numbers_replace_the_presets(tiny, tmp_path):
     (["--hardware", "gpu-pcie3"], "give --seconds_per_image and --overhead_s"),
     (["--intra_link", "carrier-pigeon"], "unknown link 'carrier-pigeon'; choose one of: pcie3"),
 ])
-def test_bad_input_gives_one_line(tiny, tmp_path, args, message):
+def test_bad_input_gives_one_line(tiny, tmp_path, capsys, args, message):
     config, cal = tiny
     base = ["--config", str(config), "--calibration", str(cal), "--out", str(tmp_path / "fc")]
     if "--calibration" in args:
         base = base[:2] + ["--out", str(tmp_path / "fc")]
-    with pytest.raises(SystemExit) as err:
-        main([*base, *args])
-    text = str(err.value)
-    assert message in text and "\n" not in text and text.startswith("python -m src.forecast: error:")
+    _assert_one_line_exit_2(capsys, [*base, *args], message)
     assert not (tmp_path / "fc").exists()  # nothing written
+
+
+def _assert_one_line_exit_2(capsys, args, message):
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    text = capsys.readouterr().err
+    assert err.value.code == 2
+    assert message in text and text.count("\n") == 1 and text.startswith("python -m src.forecast: error:")
 
 
 def test_bare_calibrate_flag_runs_the_calibration(monkeypatch, tmp_path):
@@ -271,3 +292,68 @@ def test_allreduce_timing_between_two_processes():
     rows = list(time_allreduces(2, repeats=2, sizes=[4096, 65536]))
     assert [r["size"] for r in rows] == [4096, 65536]
     assert all(r["ring"] > 0 and r["torch"] > 0 for r in rows)
+
+
+def test_range_widens_with_world_size_and_holds_the_point(tmp_path):
+    out = main(["--network_params", "25557032", "--measured_images_per_s", "2470", "--batch_size", "256",
+                "--hardware", "dgx-a100", "--devices", "[1, 2, 8, 16, 64]", "--algorithms", '["ring"]',
+                "--out", str(tmp_path / "fc")])
+    rows = list(csv.DictReader(open(out / "forecast.csv")))
+    low, point, high = ([float(r[k]) for r in rows] for k in ("efficiency_low", "efficiency", "efficiency_high"))
+    assert low[0] == point[0] == high[0] == pytest.approx(1.0)  # one device is its own baseline
+    widths = [h - lo for lo, h in zip(low, high)]
+    assert all(a < b for a, b in zip(widths, widths[1:]))
+    assert all(lo <= p <= h for lo, p, h in zip(low, point, high))
+    assert all(float(r["images_per_s_low"]) <= float(r["images_per_s"]) <= float(r["images_per_s_high"])
+               for r in rows)
+    # the published 8-GPU figure of this setting (NVIDIA's ResNet-50 on a DGX A100, AMP) lies inside its range
+    assert low[2] <= 16621 / 8 / 2470 <= high[2]
+    # knowing the precision narrows the range to the fitted bounds of that kind
+    amp = main(["--network_params", "25557032", "--measured_images_per_s", "2470", "--batch_size", "256",
+                "--hardware", "dgx-a100", "--devices", "[8]", "--algorithms", '["ring"]', "--precision", "amp",
+                "--out", str(tmp_path / "fc")])
+    row = next(csv.DictReader(open(amp / "forecast.csv")))
+    assert float(row["efficiency_high"]) - float(row["efficiency_low"]) < widths[2]
+    assert "[published: fitted on the calibration rows" in (amp / "forecast.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "dgx-9000"], "unknown hardware preset 'dgx-9000'"),
+    (["--measured_images_per_s", "-5"], "--measured_images_per_s must be > 0, got -5"),
+    (["--measured_images_per_s", None], "missing compute for --network_params"),
+    (["--devices", "[8]", "--nodes", "3"], "--nodes 3 does not divide"),
+])
+def test_bad_network_input_gives_one_line_and_exit_2(tmp_path, capsys, args, message):
+    base = {"--network_params": "25557032", "--measured_images_per_s": "2470", "--hardware": "dgx-a100",
+            "--out": str(tmp_path / "fc")}
+    base.update(dict(zip(args[::2], args[1::2])))
+    _assert_one_line_exit_2(capsys, [a for k, v in base.items() if v is not None for a in (k, v)], message)
+    assert not (tmp_path / "fc").exists()
+
+
+def test_sync_bounds_are_fitted_on_calibration_rows_only(tmp_path):
+    from src.scaling.published import TABLE, fit_sync, load_table, student_t_quantile
+
+    assert expected_max_normal(2) == pytest.approx(1 / 3.141592653589793 ** 0.5, rel=1e-6)
+    assert student_t_quantile(0.95, 6) == pytest.approx(1.943, abs=1e-3)
+    lines = TABLE.read_text().splitlines()
+    rows = load_table()
+    assert {r.split for r in rows} == {"calibration", "held-out"} and all(r.source and r.row for r in rows)
+
+    def refit(change_split: str) -> dict:
+        # halve the multi-GPU throughput of every row of one split, in a copy of the table
+        header = lines[0].split(",")
+        out = [lines[0]]
+        for line, r in zip(lines[1:], rows):
+            if r.split == change_split:
+                cells = next(csv.reader([line]))
+                cells[header.index("images_per_s")] = str(r.images_per_s / 2)
+                line = ",".join(f'"{c}"' if "," in c else c for c in cells)
+            out.append(line)
+        path = tmp_path / f"{change_split}.csv"
+        path.write_text("\n".join(out) + "\n")
+        return {k: f.bounds for k, f in fit_sync(path).items()}
+
+    shipped = {k: f.bounds for k, f in fit_sync().items()}
+    assert refit("held-out") == shipped
+    assert refit("calibration") != shipped

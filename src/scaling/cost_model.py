@@ -21,6 +21,7 @@ is pure Python as well: importing this module loads neither torch nor Lightning.
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from src.strategies.comm.vocabulary import EXCHANGES
 
@@ -80,11 +81,14 @@ def ring_allreduce_s(p: int, n: float, link: Link) -> float:
 
 
 def reduce_broadcast_s(p: int, n: float, link: Link) -> float:
-    """Seconds of reduce-to-one-device then broadcast (d2l.ai's allreduce, `nn.DataParallel`) of n bytes.
+    """Seconds of reduce-to-one-device then broadcast of n bytes by copies (d2l.ai's from-scratch allreduce).
 
     2(p-1)·(alpha + n·beta) + (p-1)·n·gamma: the root receives and adds the p-1 other devices' whole buffers
     one after another, then sends the sum to each of them (linear reduce and broadcast, Thakur et al. 2005,
-    sec. 2): the root's link carries 2(p-1)·n bytes while the others carry 2n.
+    sec. 2): the root's link carries 2(p-1)·n bytes while the others carry 2n. `nn.DataParallel` does not
+    copy this way: it reduces with NCCL reduce and broadcasts with NCCL broadcast
+    (`comm.reduce_add_coalesced`, `comm.broadcast_coalesced` in
+    https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/comm.py), which NCCL pipelines.
 
     Args:
         p: Devices, >= 1.
@@ -103,18 +107,20 @@ def reduce_broadcast_s(p: int, n: float, link: Link) -> float:
 def hierarchical_s(p: int, n: float, per_node: int, intra: Link, inter: Link) -> float:
     """Seconds of a two-level allreduce: intra-node reduce-scatter, inter-node ring, intra-node all-gather.
 
-    Horovod's hierarchical allreduce (Sergeev & Del Balso 2018): the g devices of a node reduce-scatter on the
-    fast link (each keeps the node's sum of n/g bytes), device k of every node allreduces its n/g bytes with
-    device k of the other nodes in a ring over the inter-node link (the g rings run side by side, one
-    network port per device), and an all-gather inside the node gives every device every chunk. Intra-node
-    reduce-scatter + all-gather cost what a ring allreduce over g devices costs.
+    Horovod's hierarchical allreduce in the shape of https://github.com/horovod/horovod/pull/411 (September
+    2018: reduce-scatter, allreduce, all-gather; the first version, https://github.com/horovod/horovod/pull/329,
+    June 2018, was NCCL reduce, MPI allreduce, NCCL broadcast, our reduce_broadcast shape inside a node): the g
+    devices of a node reduce-scatter on the fast link (each keeps the node's sum of n/g bytes), device k of
+    every node allreduces its n/g bytes with device k of the other nodes in a ring over the inter-node link
+    (the g rings run side by side over the node's network ports), and an all-gather inside the node gives every
+    device every chunk. Intra-node reduce-scatter + all-gather cost what a ring allreduce over g devices costs.
 
     Args:
         p: Devices in all, >= 1.
         n: Bytes of gradient on each device.
         per_node: Devices per node g, >= 1; nodes = ceil(p / g), and a job within one node is one intra ring.
         intra: Link between devices of a node.
-        inter: Link between nodes (per device).
+        inter: Link between nodes, as each device sees it (its share of the node's network ports).
 
     Returns:
         Seconds.
@@ -128,12 +134,16 @@ def hierarchical_s(p: int, n: float, per_node: int, intra: Link, inter: Link) ->
 
 
 def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, inter: Link | None,
-                messages: int = 1) -> float:
+                messages: int = 1, nics: int | None = None) -> float:
     """Seconds of one step's gradient exchange with `algorithm`, within one node or across nodes.
 
-    A flat algorithm (ring, reduce_broadcast) that spans nodes is timed on the inter-node link: every round
-    of the ring waits for its slowest hop, and the root of reduce_broadcast receives from (and sends to) the
-    intra-node devices on the fast link and the others on the inter-node link.
+    A flat ring that spans nodes runs at the slower of the intra-node link and the node's network ports
+    together: NCCL lays its rings over all of a node's NICs, so the node-to-node hop of the ring moves
+    nics times one NIC's bandwidth (e.g. 8 x 24 GB/s = 192 GB/s of allreduce busbw between DGX A100 nodes, as
+    NCCL's maintainers measured, https://github.com/NVIDIA/nccl/issues/812). The hierarchical algorithm's
+    inter-node rings share the same ports, so each device's ring gets nics / per_node of them. The root of
+    reduce_broadcast receives from (and sends to) the intra-node devices on the fast link and the others
+    through its one NIC.
 
     Args:
         algorithm: "ring", "reduce_broadcast" or "hierarchical".
@@ -141,9 +151,10 @@ def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, in
         n: Bytes of gradient per device.
         per_node: Devices per node.
         intra: Link inside a node.
-        inter: Link between nodes; needed only when p > per_node.
+        inter: One network port (NIC) between nodes; needed only when p > per_node.
         messages: Separate allreduce calls per step (gradient buckets, or one per parameter tensor as in d2l.ai's
             from-scratch code), each of n / messages bytes: each pays the latency terms.
+        nics: Network ports per node (default one per device, per_node).
 
     Returns:
         Seconds.
@@ -159,14 +170,21 @@ def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, in
     if p > per_node and inter is None:
         raise ValueError(f"{p} devices need more than one node of {per_node}: give an inter-node link")
     chunk = n / messages
+    nics = per_node if nics is None else nics
+    if nics < 1:
+        raise ValueError(f"network ports per node must be >= 1, got {nics}")
     if algorithm == "hierarchical" or p <= per_node:
         if algorithm == "reduce_broadcast":
             return messages * reduce_broadcast_s(p, chunk, intra)
         if algorithm == "ring":
             return messages * ring_allreduce_s(p, chunk, intra)
+        if inter is not None:
+            g = min(p, per_node)
+            inter = Link(inter.alpha, inter.beta * g / nics, inter.gamma)
         return messages * hierarchical_s(p, chunk, per_node, intra, inter or intra)
     if algorithm == "ring":
-        return messages * ring_allreduce_s(p, chunk, inter)
+        across = Link(inter.alpha, max(intra.beta, inter.beta / nics), max(intra.gamma, inter.gamma))
+        return messages * ring_allreduce_s(p, chunk, across)
     # reduce_broadcast across nodes: the root's per_node - 1 neighbours on the fast link, the rest remote
     local, remote = per_node - 1, p - per_node
     root = (2 * local * (intra.alpha + chunk * intra.beta) + 2 * remote * (inter.alpha + chunk * inter.beta)
@@ -236,10 +254,41 @@ def global_batch_for(batch_size: int, devices: int, batch_mode: str) -> int:
     return batch_size
 
 
+@cache
+def expected_max_normal(p: int) -> float:
+    """E[max of p independent standard normal variables]: 0 for p = 1, 0.564 for 2, 1.424 for 8, 1.766 for 16.
+
+    A synchronous step waits for the slowest of p ranks: if each rank's step time varies with standard
+    deviation sigma around its mean, the step costs about sigma times this more than one rank's mean.
+    Computed by Simpson's rule on p·x·phi(x)·Phi(x)^(p-1) over [-9, 9].
+
+    Args:
+        p: Ranks, >= 1.
+
+    Returns:
+        The expectation (dimensionless).
+    """
+    if p < 1:
+        raise ValueError(f"rank count must be >= 1, got {p}")
+    if p == 1:
+        return 0.0
+    steps, lo, hi = 1200, -9.0, 9.0
+    h = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * h
+        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += weight * x * p * pdf * cdf ** (p - 1)
+    return total * h / 3
+
+
 def predict_step(algorithm: str, devices: int, batch_size: int, batch_mode: str, compute: Compute, n_bytes: float,
                  per_node: int, intra: Link, inter: Link | None, overlap: float = 0.0,
-                 messages: int = 1) -> StepPrediction:
-    """Predict one optimizer step: compute + exchange - min(overlap · exchange, backward time).
+                 messages: int = 1, nics: int | None = None, jitter: float = 0.0,
+                 sync_overhead: float = 0.0) -> StepPrediction:
+    """Predict one optimizer step: compute · (1 + sync + straggler) + exchange - min(overlap · exchange, backward).
 
     Args:
         algorithm: "ring", "reduce_broadcast" or "hierarchical".
@@ -254,22 +303,33 @@ def predict_step(algorithm: str, devices: int, batch_size: int, batch_mode: str,
         overlap: Share (0..1) of the exchange that can run during backward (buckets sent as soon as backward
             has produced them); the hidden time is also capped at the backward time, 2/3 of the compute.
         messages: Allreduce calls per step (see `allreduce_s`).
+        nics: Network ports per node (see `allreduce_s`).
+        jitter: Standard deviation of one rank's step time as a share of its mean (0.01 = 1%); with more than
+            one device the step waits for the slowest rank, `expected_max_normal(devices)` · jitter · compute.
+        sync_overhead: Share of the compute added to every step once devices > 1: the data-parallel wrapper's
+            own work (gradient hooks, bucket copies) and the devices' processes sharing one host's cores,
+            memory and input pipeline.
 
     Returns:
         The prediction; speedup is throughput over one device's at the same per-device (weak) or global
         (strong) batch, efficiency = speedup / devices.
 
     Raises:
-        ValueError: Bad device count, overlap outside [0, 1], batch mode or algorithm.
+        ValueError: Bad device count, overlap outside [0, 1], a negative jitter or overhead, batch mode or
+            algorithm.
     """
     if devices < 1:
         raise ValueError(f"device count must be >= 1, got {devices}")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be between 0 and 1, got {overlap}")
+    if jitter < 0 or sync_overhead < 0:
+        raise ValueError(f"jitter and sync overhead must be >= 0, got {jitter} and {sync_overhead}")
     batch = global_batch_for(batch_size, devices, batch_mode)
     per_replica = batch / devices
     compute_s = compute.step_s(per_replica)
-    exchange_s = allreduce_s(algorithm, devices, n_bytes, per_node, intra, inter, messages)
+    if devices > 1:
+        compute_s *= 1 + sync_overhead + jitter * expected_max_normal(devices)
+    exchange_s = allreduce_s(algorithm, devices, n_bytes, per_node, intra, inter, messages, nics)
     hidden_s = min(overlap * exchange_s, BACKWARD_SHARE * per_replica * compute.seconds_per_image)
     step_s = compute_s + exchange_s - hidden_s
     single_batch = global_batch_for(batch_size, 1, batch_mode)
@@ -277,6 +337,88 @@ def predict_step(algorithm: str, devices: int, batch_size: int, batch_mode: str,
     ips = batch / step_s
     return StepPrediction(algorithm, devices, math.ceil(devices / per_node), batch, per_replica, compute_s,
                           exchange_s, hidden_s, step_s, ips, ips / single_ips, ips / single_ips / devices)
+
+
+@dataclass(frozen=True)
+class Links:
+    """The links of one machine type: inside a node, one network port between nodes, ports per node.
+
+    Args:
+        intra: Link between the devices of a node.
+        inter: One network port (NIC) between nodes, or None for one node only.
+        nics: Network ports per node (None: one per device).
+    """
+
+    intra: Link
+    inter: Link | None = None
+    nics: int | None = None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The terms the model cannot know for sure, each as (optimistic, pessimistic) values.
+
+    Args:
+        jitter: Standard deviation of one rank's step time as a share of its mean (see `predict_step`).
+        sync_overhead: Share of the compute added once devices > 1 (see `predict_step`).
+    """
+
+    jitter: tuple[float, float]
+    sync_overhead: tuple[float, float]
+
+    def mid(self) -> tuple[float, float]:
+        """(jitter, sync_overhead) halfway between the bounds."""
+        return sum(self.jitter) / 2, sum(self.sync_overhead) / 2
+
+
+@dataclass(frozen=True)
+class BandPrediction:
+    """A point prediction and the pessimistic and optimistic ends of its range (low <= point <= high)."""
+
+    point: StepPrediction
+    low: StepPrediction
+    high: StepPrediction
+
+
+def predict_band(algorithm: str, devices: int, batch_size: int, batch_mode: str, compute: Compute, n_bytes: float,
+                 per_node: int, achieved: Links, line: Links, overlap: float, messages: int,
+                 bounds: Bounds) -> BandPrediction:
+    """Predict one step three times: as expected, at the pessimistic end and at the optimistic end.
+
+    * point: links at their achieved bandwidth, `overlap` as given, jitter and sync overhead halfway between
+      their bounds;
+    * low (pessimistic): achieved links, no overlap, jitter and sync overhead at their upper bounds;
+    * high (optimistic): links at their line rate, full overlap (still capped at the backward time), jitter
+      and sync overhead at their lower bounds.
+
+    Every term is monotone in the step time, so low <= point <= high for images/s and efficiency; the range
+    widens with the device count because the expected slowest-of-p rank and the exchange both grow with it.
+
+    Args:
+        algorithm, devices, batch_size, batch_mode, compute, n_bytes, per_node, messages: As `predict_step`.
+        achieved: Links at the bandwidth collectives achieve (e.g. nccl-tests busbw).
+        line: The same links at their line rate (the upper bound of what they can move).
+        overlap: Share (0..1) of the exchange hidden behind backward for the point prediction.
+        bounds: The jitter and sync-overhead bounds.
+
+    Returns:
+        The three predictions.
+
+    Raises:
+        ValueError: As `predict_step`, or bounds with the optimistic value above the pessimistic one.
+    """
+    for name, (lo, hi) in (("jitter", bounds.jitter), ("sync overhead", bounds.sync_overhead)):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"{name} bounds must satisfy 0 <= optimistic <= pessimistic, got ({lo}, {hi})")
+
+    def at(links: Links, share: float, jitter: float, sync: float) -> StepPrediction:
+        return predict_step(algorithm, devices, batch_size, batch_mode, compute, n_bytes, per_node, links.intra,
+                            links.inter, share, messages, links.nics, jitter, sync)
+
+    jitter, sync = bounds.mid()
+    return BandPrediction(at(achieved, overlap, jitter, sync),
+                          at(achieved, 0.0, bounds.jitter[1], bounds.sync_overhead[1]),
+                          at(line, 1.0, bounds.jitter[0], bounds.sync_overhead[0]))
 
 
 def fit_alpha_beta(samples: Sequence[tuple[int, float, float]], algorithm: str = "ring") -> tuple[float, float]:

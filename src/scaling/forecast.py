@@ -2,14 +2,18 @@
 
     python -m src.forecast --config configs/resnet18.yaml --hardware h100-nvlink --devices "[1, 2, 8, 64, 1024]"
     python -m src.forecast --config configs/lenet.yaml --hardware cpu-2core --batch_mode global --devices "[1, 2]"
+    python -m src.forecast --network_params 25557032 --measured_images_per_s 2470 --batch_size 256 --hardware dgx-a100
     python -m src.forecast --calibrate      # re-measure this machine (minutes): src/scaling/calibration/cpu-2core.json
 
-Time per step = compute + gradient exchange - the part of the exchange hidden behind backward
-(src/scaling/cost_model.py), with numbers from a hardware preset (src/scaling/hardware.py), the calibration file,
-or the command line (src/scaling/sources.py). Trains nothing and takes seconds. Writes forecast.md (table and
-every assumption, marked measured / published / assumed / user), forecast.csv and forecast.png (images/s and
-efficiency against devices, one line per algorithm, with the measured points of the newest scaling report of the
-same config on the same kind of hardware) into <out>/<model>/version_N/. See docs/forecast.md.
+Time per step = compute x (1 + sync overhead + slowest-rank jitter) + gradient exchange - the part of the
+exchange hidden behind backward (src/scaling/cost_model.py), with numbers from a hardware preset
+(src/scaling/hardware.py), the calibration file, published measurements (src/scaling/published.py) or the command
+line (src/scaling/sources.py). Each prediction is a range: efficiency_low and efficiency_high come from the
+bounds of the terms the model cannot know (jitter, sync overhead, overlap, achieved vs line-rate bandwidth).
+Trains nothing and takes seconds. Writes forecast.md (table and every assumption, marked measured / published /
+assumed / user), forecast.csv and forecast.png (images/s and efficiency against devices with the range as a
+band, one line per algorithm, with the measured points of the newest scaling report of the same config on the
+same kind of hardware) into <out>/<model>/version_N/. See docs/forecast.md.
 """
 
 import sys
@@ -19,12 +23,13 @@ from typing import Literal
 
 import yaml
 
-from src.scaling.cost_model import ALGORITHMS, predict_step
+from src.scaling.cost_model import ALGORITHMS, Compute, Link, Links, predict_band
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
 from src.scaling.hardware import hardware_preset
-from src.scaling.network import inspect_network
+from src.scaling.network import Network, custom_network, inspect_network
+from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
-from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_link, resolve_overlap,
+from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.versions import next_version
 
@@ -38,16 +43,30 @@ class Question:
 
     Args:
         config: Experiment config (model.class_path / init_args give the network; data.batch_size the batch).
+            Not read when --network_params is given.
         hardware: Preset name (src/scaling/hardware.py): cpu-2core (calibrated), gpu-pcie3 (give the compute),
-            v100-pcie3, v100-nvlink, a100-pcie4, a100-nvlink, h100-nvlink.
+            v100-pcie3, v100-nvlink, a100-pcie4, a100-nvlink, h100-nvlink, dgx1-v100 (8 V100, hybrid cube-mesh
+            NVLink 2, 4 EDR NICs), dgx2-v100 (16 V100 on NVSwitch, 8 EDR NICs), dgx-a100 (8 A100, 8 HDR NICs),
+            dgx-h100 (8 H100, 8 NDR NICs).
         devices: Device counts (world sizes), each >= 1.
-        algorithms: ring (DDP / NCCL / our ring), reduce_broadcast (d2l.ai, nn.DataParallel), hierarchical
-            (intra-node ring, inter-node ring, intra-node all-gather).
+        algorithms: ring (DDP / NCCL / our ring), reduce_broadcast (d2l.ai's copies to one device and back),
+            hierarchical (intra-node reduce-scatter, inter-node ring, intra-node all-gather).
         batch_mode: per_device (weak scaling: global batch = batch_size x devices) or global (strong scaling:
             batch_size split over the devices).
         batch_size: Per-device or global batch in images; default the config's data.batch_size (256 if unset).
         epoch_images: Training images per epoch for sec/epoch; default 60,000 minus the config's data.val_size
             (5,000 if unset).
+        network_params: Trainable parameters of a network the project does not have (e.g. 25557032 for
+            ResNet-50); replaces the config's network. Give its compute with --measured_images_per_s.
+        measured_images_per_s: Images/s you measured on one device at --batch_size (per device), e.g. 2470 for
+            ResNet-50 with AMP on one A100; the one-device step is batch_size / this.
+        grad_bytes: Bytes per allreduced gradient element with --network_params: 4 for float32 gradients
+            (PyTorch's native AMP keeps float32 gradients), 2 for bf16 or fp16 gradients.
+        precision: fp32 (FP32 or TF32) or amp (PyTorch's autocast: torch.cuda.amp, Lightning's 16-mixed and
+            bf16-mixed): picks the sync-overhead bounds fitted on published measurements of that kind. Unset:
+            unknown, both kinds' bounds (a wider range).
+        nodes: Nodes the devices are spread over, evenly (each device count must divide by it); default as
+            few nodes as hold them.
     """
 
     config: str = "configs/lenet.yaml"
@@ -57,6 +76,11 @@ class Question:
     batch_mode: Literal["per_device", "global"] = "per_device"
     batch_size: int | None = None
     epoch_images: int | None = None
+    network_params: int | None = None
+    measured_images_per_s: float | None = None
+    grad_bytes: int = 4
+    precision: Literal[PRECISIONS] | None = None
+    nodes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +140,53 @@ def _check(question: Question) -> None:
     unknown = [a for a in question.algorithms if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"unknown algorithm(s) {unknown}; choose from {', '.join(ALGORITHMS)}")
+    if question.network_params is not None and question.network_params < 1:
+        raise ValueError(f"--network_params must be >= 1, got {question.network_params}")
+    if question.measured_images_per_s is not None and not question.measured_images_per_s > 0:
+        raise ValueError(f"--measured_images_per_s must be > 0, got {question.measured_images_per_s}")
+    if question.grad_bytes < 1:
+        raise ValueError(f"--grad_bytes must be >= 1, got {question.grad_bytes}")
+    if question.nodes is not None:
+        uneven = [d for d in question.devices if question.nodes < 1 or d % question.nodes]
+        if uneven:
+            raise ValueError(f"--nodes {question.nodes} does not divide the device count(s) {uneven}")
+
+
+def _compute(question: Question, user: Overrides, device: str, net: Network, batch: int,
+             calibration: str) -> tuple[Compute, str]:
+    """The per-replica compute: the user's measured rate, the user's seconds, or the preset's / calibration's."""
+    if question.measured_images_per_s is not None:
+        rate = question.measured_images_per_s
+        return Compute(0.0, 1.0 / rate), (f"[user] {rate:,.0f} images/s measured on one device at batch {batch}: "
+                                          f"{batch / rate * 1e3:.2f} ms per step, no fixed part assumed")
+    if question.network_params is not None and (user.seconds_per_image is None or user.overhead_s is None):
+        raise ValueError("missing compute for --network_params: give --measured_images_per_s (one device's "
+                         "images/s at --batch_size), or --seconds_per_image and --overhead_s")
+    return resolve_compute(device, net, calibration, user.seconds_per_image, user.overhead_s)
+
+
+def _links(preset, user: Overrides, calibration: str) -> tuple[Links, Links, str, str]:
+    """(achieved links, line-rate links, intra note, inter note), with the user's numbers in place."""
+    intra, intra_line, intra_note = resolve_links(user.intra_link or preset.intra, calibration)
+    inter, inter_line, inter_note = resolve_links(user.inter_link or preset.inter, calibration)
+    if user.nic_gbps is not None:
+        if not user.nic_gbps > 0:
+            raise ValueError(f"--nic_gbps must be > 0, got {user.nic_gbps}")
+        share = inter_line.beta / inter.beta
+        line_bw = user.nic_gbps * 1e9 / 8
+        inter, inter_line = Link(inter.alpha, 1 / (line_bw * share)), Link(inter.alpha, 1 / line_bw)
+        inter_note = (f"[user] NIC line rate {user.nic_gbps:g} Gb/s; achieved {line_bw * share / 1e9:.2f} GB/s "
+                      f"[assumed: {share:.0%} of it, as the preset's link]")
+    intra, intra_note_user = user_link(intra, intra_note, user.alpha_s, user.beta_s_per_byte)
+    if intra_note_user != intra_note:
+        intra_line, intra_note = intra, intra_note_user
+    inter, inter_note_user = user_link(inter, inter_note, user.inter_alpha_s, user.inter_beta_s_per_byte)
+    if inter_note_user != inter_note:
+        inter_line, inter_note = inter, inter_note_user
+    nics = user.nics or preset.nics
+    if nics is not None and nics < 1:
+        raise ValueError(f"--nics must be >= 1, got {nics}")
+    return Links(intra, inter, nics), Links(intra_line, inter_line, nics), intra_note, inter_note
 
 
 def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
@@ -138,56 +209,74 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     """
     _check(question)
     preset = hardware_preset(question.hardware)
-    cfg = _experiment(question.config)
+    custom = question.network_params is not None
+    cfg = {} if custom else _experiment(question.config)
     data = cfg.get("data") or {}
     batch = question.batch_size or data.get("batch_size", 256)
     if batch < 1:
         raise ValueError(f"batch size must be >= 1, got {batch}")
     epoch_images = question.epoch_images or TRAIN_IMAGES - data.get("val_size", 5000)
-    net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"))
+    if custom:
+        net = custom_network(question.network_params, question.grad_bytes)
+    else:
+        net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"))
     per_node = user.devices_per_node or preset.per_node
     if per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {per_node}")
 
-    compute, compute_note = resolve_compute(preset.device, net, paths.calibration, user.seconds_per_image,
-                                            user.overhead_s)
-    intra, intra_note = user_link(*resolve_link(user.intra_link or preset.intra, paths.calibration), user.alpha_s,
-                                  user.beta_s_per_byte)
-    inter, inter_note = user_link(*resolve_link(user.inter_link or preset.inter, paths.calibration),
-                                  user.inter_alpha_s, user.inter_beta_s_per_byte)
+    compute, compute_note = _compute(question, user, preset.device, net, batch, paths.calibration)
+    achieved, line, intra_note, inter_note = _links(preset, user, paths.calibration)
     overlap, overlap_note = resolve_overlap(preset.device, net, user.overlap)
     messages = user.messages or net.buckets
+    bounds = bounds_for(question.precision)
 
-    predictions = [predict_step(a, d, batch, question.batch_mode, compute, net.gradient_bytes, per_node, intra,
-                                inter, overlap, messages) for a in question.algorithms for d in question.devices]
-    rows = [forecast_row(p, epoch_images) for p in predictions]
-    model = Path(question.config).stem
+    def node_size(devices: int) -> int:
+        return devices // question.nodes if question.nodes else per_node
+
+    bands = [predict_band(a, d, batch, question.batch_mode, compute, net.gradient_bytes, node_size(d), achieved,
+                          line, overlap, messages, bounds) for a in question.algorithms for d in question.devices]
+    rows = [forecast_row(b, epoch_images) for b in bands]
+    model = f"params-{net.parameters}" if custom else Path(question.config).stem
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
+    fits = fit_sync()
+    precision = question.precision or "unknown (both kinds)"
+    sync_fit = "; ".join(f"{f.precision}: {f.bounds[0]:.1%} to {f.bounds[1]:.1%} (mean {f.mean:.1%} of "
+                         f"{len(f.implied)} rows)" for f in fits.values())
     notes = [
         f"network: {net.class_name}, {net.parameters:,} parameters, {net.gradient_bytes:,} bytes of "
-        f"{'/'.join(net.gradient_dtypes)} gradients per replica in {messages} allreduce call(s) per step [measured: "
-        f"counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image (conv + dense, "
-        "backward = 2x forward)",
+        f"{'/'.join(net.gradient_dtypes)} gradients per replica in {messages} allreduce call(s) per step "
+        + ("[user: --network_params, --grad_bytes]" if custom else
+           f"[measured: counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image "
+           "(conv + dense, backward = 2x forward)"),
         f"batch: {batch} images {scaling}; {epoch_images:,} images per epoch",
         f"compute per replica: {compute.overhead_s * 1e3:.3f} ms/step + {compute.seconds_per_image * 1e6:.2f} "
         f"us/image {compute_note}",
         f"intra-node link ({per_node} devices per node): {intra_note}",
-        f"inter-node link: {inter_note}",
-        f"overlap of exchange with backward: {overlap_note}",
-        "exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); flat algorithms "
-        "across nodes run at the inter-node link's speed; one step's data loading, optimizer and launches are in "
-        "the per-step overhead; no contention, stragglers or network congestion are modelled",
+        f"inter-node link ({achieved.nics or per_node} NICs per node, NCCL's rings over all of them): {inter_note}",
+        f"overlap of exchange with backward: {overlap_note}; the range takes none (low) to full (high)",
+        f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard deviation) "
+        "and the step waits for the slowest, E[max of p normals] x that [assumed: p50 and p95 step times of "
+        "https://github.com/pytorch/pytorch/blob/main/benchmarks/distributed/ddp/README.md differ by 0 to 5%]",
+        f"sync overhead (data-parallel hooks and bucket copies, processes sharing one host), precision "
+        f"{precision}: {bounds.sync_overhead[0]:.1%} to {bounds.sync_overhead[1]:.1%} of the compute once devices "
+        f"> 1 [published: fitted on the calibration rows of src/scaling/calibration/published_scaling.csv, a "
+        f"{LEVEL:.0%} prediction interval per kind: {sync_fit}]",
+        "exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring across "
+        "nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no overlap and the "
+        "upper jitter and sync bounds, its high end line rates, full overlap and the lower bounds; network "
+        "congestion, tree / NVLS algorithms and memory limits are not modelled",
     ]
     root = next_version(Path(paths.out) / model)
     root.mkdir(parents=True)
-    measured, measured_from = newest_report(Path(paths.scaling_dir) / model, "cpu" if preset.device == "cpu" else "gpu")
+    measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / model,
+                                                                       "cpu" if preset.device == "cpu" else "gpu")
     title = f"{model} on {question.hardware}: batch {batch} {question.batch_mode.replace('_', '-')}"
     write_markdown(rows, notes, root, title, str(measured_from) if measured_from else "")
     write_csv(rows, root)
     write_plot(rows, root, title, measured)
     for r in rows:
         print(f"{r.algorithm:>16} {r.devices:>6} devices: {r.step_ms:9.3f} ms/step, {r.images_per_s:>13,.0f} "
-              f"images/s, efficiency {r.efficiency:.3f}")
+              f"images/s, efficiency {r.efficiency:.3f} (range {r.efficiency_low:.3f} to {r.efficiency_high:.3f})")
     print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png")
     return root
 
@@ -206,7 +295,7 @@ def main(args: list[str] | None = None) -> Path:
         The output folder, or the calibration file with --calibrate.
 
     Raises:
-        SystemExit: With one line for bad input (and with 0 after --help).
+        SystemExit: Code 2 after one line on stderr for bad input (and 0 after --help).
     """
     from jsonargparse import ArgumentParser
 
@@ -229,4 +318,5 @@ def main(args: list[str] | None = None) -> Path:
                              calibration.calibrate_repeats)
         return run_forecast(_group(Question, options), _group(Overrides, options), paths)
     except ValueError as err:
-        raise SystemExit(f"python -m src.forecast: error: {err}") from None
+        print(f"python -m src.forecast: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from src.scaling.cost_model import StepPrediction
+from src.scaling.cost_model import BandPrediction
 
 
 @dataclass
@@ -31,6 +31,10 @@ class Row:
         images_per_s: Training throughput, images/s.
         speedup: Throughput over one device's.
         efficiency: Speedup / devices.
+        efficiency_low: Efficiency at the pessimistic end of the range.
+        efficiency_high: Efficiency at the optimistic end of the range.
+        images_per_s_low: Images/s at the pessimistic end.
+        images_per_s_high: Images/s at the optimistic end.
     """
 
     algorithm: str
@@ -46,14 +50,20 @@ class Row:
     images_per_s: float
     speedup: float
     efficiency: float
+    efficiency_low: float
+    efficiency_high: float
+    images_per_s_low: float
+    images_per_s_high: float
 
 
-def forecast_row(p: StepPrediction, epoch_images: int) -> Row:
-    """The row of prediction `p`; an epoch is ceil(epoch_images / global batch) steps."""
+def forecast_row(band: BandPrediction, epoch_images: int) -> Row:
+    """The row of a prediction and its range; an epoch is ceil(epoch_images / global batch) steps."""
+    p = band.point
     steps = math.ceil(epoch_images / p.global_batch)
     return Row(p.algorithm, p.devices, p.nodes, p.global_batch, p.images_per_replica, p.compute_s * 1e3,
                p.exchange_s * 1e3, p.hidden_s * 1e3, p.step_s * 1e3, steps * p.step_s, p.images_per_s, p.speedup,
-               p.efficiency)
+               p.efficiency, band.low.efficiency, band.high.efficiency, band.low.images_per_s,
+               band.high.images_per_s)
 
 
 def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, measured_from: str = "") -> Path:
@@ -73,13 +83,17 @@ def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, mea
         OSError: The folder cannot be written.
     """
     header = ["algorithm", "devices", "nodes", "global batch", "images/replica", "compute ms", "exchange ms",
-              "hidden ms", "step ms", "sec/epoch", "images/s", "speedup", "efficiency"]
-    lines = [f"# {title}", "", "Predicted, not measured.", "", "| " + " | ".join(header) + " |",
+              "hidden ms", "step ms", "sec/epoch", "images/s", "images/s range", "speedup", "efficiency",
+              "efficiency range"]
+    lines = [f"# {title}", "", "Predicted, not measured. Each range runs from the pessimistic to the optimistic "
+             "end of the terms listed under the table.", "", "| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
     for r in rows:
         lines.append(f"| {r.algorithm} | {r.devices} | {r.nodes} | {r.global_batch} | {r.images_per_replica:g} "
                      f"| {r.compute_ms:.3f} | {r.exchange_ms:.3f} | {r.hidden_ms:.3f} | {r.step_ms:.3f} "
-                     f"| {r.sec_per_epoch:.2f} | {r.images_per_s:,.0f} | {r.speedup:.2f} | {r.efficiency:.3f} |")
+                     f"| {r.sec_per_epoch:.2f} | {r.images_per_s:,.0f} | {r.images_per_s_low:,.0f}–"
+                     f"{r.images_per_s_high:,.0f} | {r.speedup:.2f} | {r.efficiency:.3f} "
+                     f"| {r.efficiency_low:.3f}–{r.efficiency_high:.3f} |")
     lines += ["", "## Inputs and assumptions", "", *[f"- {n}" for n in notes]]
     if measured_from:
         lines += ["", f"Measured points drawn on the plot: {measured_from}/scaling.csv"]
@@ -110,7 +124,7 @@ def write_csv(rows: list[Row], out: Path) -> Path:
 
 
 def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] = ()) -> Path:
-    """Write forecast.png: images/s and efficiency against devices, one line per algorithm.
+    """Write forecast.png: images/s and efficiency against devices, one line and range band per algorithm.
 
     Args:
         rows: The predictions, at least one.
@@ -132,8 +146,12 @@ def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] 
     fig, (ax_ips, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in dict.fromkeys(r.algorithm for r in rows):
         pts = [r for r in rows if r.algorithm == name]
-        ax_ips.plot([r.devices for r in pts], [r.images_per_s for r in pts], marker="o", label=f"{name} (predicted)")
-        ax_eff.plot([r.devices for r in pts], [r.efficiency for r in pts], marker="o", label=f"{name} (predicted)")
+        x = [r.devices for r in pts]
+        for ax, mid, lo, hi in ((ax_ips, "images_per_s", "images_per_s_low", "images_per_s_high"),
+                                (ax_eff, "efficiency", "efficiency_low", "efficiency_high")):
+            line, = ax.plot(x, [getattr(r, mid) for r in pts], marker="o", label=f"{name} (predicted)")
+            ax.fill_between(x, [getattr(r, lo) for r in pts], [getattr(r, hi) for r in pts], alpha=0.2,
+                            color=line.get_color(), label=f"{name} (predicted range)")
     for strategy in dict.fromkeys(m["strategy"] for m in measured):
         pts = [m for m in measured if m["strategy"] == strategy]
         kw = dict(marker="x", s=60, zorder=3, label=f"{strategy} (measured)")
@@ -147,11 +165,11 @@ def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] 
         ax.set_xlabel("devices")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    if max(r.images_per_s for r in rows) > 100 * min(r.images_per_s for r in rows):
+    if max(r.images_per_s_high for r in rows) > 100 * min(r.images_per_s_low for r in rows):
         ax_ips.set_yscale("log")
     else:
         ax_ips.set_ylim(bottom=0)
-    ax_eff.set_ylim(0, 1.05 * max(1.0, *(r.efficiency for r in rows)))
+    ax_eff.set_ylim(0, 1.05 * max(1.0, *(r.efficiency_high for r in rows)))
     ax_eff.legend(fontsize=8)
     fig.suptitle(f"{title} (predicted)", fontsize=9)
     fig.tight_layout()

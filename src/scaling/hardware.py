@@ -10,6 +10,12 @@ Every number says where it comes from:
 Bandwidths are per direction: a ring sends and receives at the same time, so its beta is 1 / (one
 direction's bandwidth). Vendors quote NVLink as the sum of both directions (V100 300 GB/s, A100 600 GB/s,
 H100 900 GB/s), so half of it is used here.
+
+Each link has two bandwidths: the line rate (the specification, the upper bound) and what NCCL's collectives
+achieve on it (bus bandwidth, "busbw" in nccl-tests, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md),
+which the predictions use. Where no achieved figure was found, the achieved bandwidth is assumed to be the
+line rate times 370/450, the share NCCL's maintainers give for H100 NVLink (protocol overhead of about 20%,
+https://github.com/NVIDIA/nccl-tests/issues/212).
 """
 
 from dataclasses import dataclass
@@ -31,6 +37,9 @@ class LinkPreset:
         alpha_kind: "published", "measured" or "assumed".
         bandwidth_kind: "published", "measured" or "assumed".
         source: Where the numbers come from (URL, paper, or our command).
+        achieved_bytes_s: Bandwidth NCCL's collectives achieve on the link (busbw), bytes per second; None:
+            the line rate times `ACHIEVED_SHARE` (assumed).
+        achieved_source: Where the achieved bandwidth comes from ("" when it is assumed).
     """
 
     name: str
@@ -40,12 +49,34 @@ class LinkPreset:
     alpha_kind: str
     bandwidth_kind: str
     source: str
+    achieved_bytes_s: float | None = None
+    achieved_source: str = ""
+
+    @property
+    def achieved(self) -> float:
+        """Achieved bandwidth in bytes per second (published or assumed)."""
+        return self.achieved_bytes_s or self.bandwidth_bytes_s * ACHIEVED_SHARE
+
+    @property
+    def achieved_kind(self) -> str:
+        """"published" when a measured busbw is cited, otherwise "assumed"."""
+        return "published" if self.achieved_bytes_s else "assumed"
 
     def link(self) -> Link:
-        """The cost model's link: beta = 1 / bandwidth."""
+        """The cost model's link at the achieved bandwidth: beta = 1 / achieved bandwidth."""
+        return Link(self.alpha_s, 1.0 / self.achieved)
+
+    def line_link(self) -> Link:
+        """The same link at its line rate (the optimistic end of a prediction's range)."""
         return Link(self.alpha_s, 1.0 / self.bandwidth_bytes_s)
 
 
+# achieved / line rate on H100 NVLink, 370 of 450 GB/s (https://github.com/NVIDIA/nccl-tests/issues/212)
+ACHIEVED_SHARE = 370 / 450
+
+_NCCL_NIC = ("NCCL's maintainers: about 12 GB/s per 100 Gb/s NIC and 24 GB/s per 200 Gb/s NIC "
+             "(https://github.com/NVIDIA/nccl-tests/issues/119), 48 GB/s for a DGX-1's 4 EDR adapters "
+             "(https://github.com/NVIDIA/nccl-tests/issues/29)")
 _PCIE = ("PCI-SIG, PCI Express Base Specification (3.0: 8 GT/s per lane, 4.0: 16 GT/s; 128b/130b encoding), "
          "https://pcisig.com/specifications; x16 gives 16 lanes x rate x 128/130 / 8 bits per byte")
 _ALPHA_PCIE = "latency assumed: 10 us per peer copy across PCIe (launch + synchronisation)"
@@ -62,18 +93,31 @@ LINKS: dict[str, LinkPreset] = {p.name: p for p in [
                f"NVIDIA V100 datasheet, https://www.nvidia.com/en-us/data-center/v100/; {_ALPHA_NVLINK}"),
     LinkPreset("nvlink-a100", "NVLink 3 of the A100 SXM4 (600 GB/s both directions)", 5e-6, 300 * GB,
                "assumed", "published",
-               f"NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/; {_ALPHA_NVLINK}"),
+               f"NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/; {_ALPHA_NVLINK}",
+               230 * GB, "232.54 GB/s all_reduce busbw measured by a user on one 8 x A100 node "
+                         "(https://github.com/NVIDIA/nccl/issues/1048)"),
     LinkPreset("nvlink-h100", "NVLink 4 of the H100 SXM5 (900 GB/s both directions)", 5e-6, 450 * GB,
                "assumed", "published",
-               f"NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/; {_ALPHA_NVLINK}"),
-    LinkPreset("ib-hdr", "InfiniBand HDR, 200 Gb/s per port, one port per GPU", 5e-6, 200e9 / 8,
+               f"NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/; {_ALPHA_NVLINK}",
+               370 * GB, "NCCL's maintainers: about 370 GB/s ring busbw on H100 NVLink, against the 450 GB/s "
+                         "line rate (https://github.com/NVIDIA/nccl-tests/issues/212)"),
+    LinkPreset("nvswitch-v100", "NVLink 2 through the DGX-2's NVSwitches (6 links of 25 GB/s per direction per "
+               "V100)", 5e-6, 150 * GB, "assumed", "published",
+               f"NVIDIA DGX-2 datasheet, https://www.nvidia.com/en-us/data-center/dgx-2/; {_ALPHA_NVLINK}"),
+    LinkPreset("ib-edr", "InfiniBand EDR, 100 Gb/s per port", 5e-6, 100e9 / 8, "assumed", "published",
+               f"InfiniBand Trade Association, EDR 100 Gb/s, https://www.infinibandta.org/; {_ALPHA_IB}",
+               12 * GB, _NCCL_NIC),
+    LinkPreset("ib-hdr", "InfiniBand HDR, 200 Gb/s per port", 5e-6, 200e9 / 8,
                "assumed", "published",
                "NVIDIA (Mellanox) Quantum HDR InfiniBand, 200 Gb/s per port, "
-               f"https://www.nvidia.com/en-us/networking/infiniband/qm8700/; {_ALPHA_IB}"),
-    LinkPreset("ib-ndr", "InfiniBand NDR, 400 Gb/s per port, one port per GPU", 5e-6, 400e9 / 8,
+               f"https://www.nvidia.com/en-us/networking/infiniband/qm8700/; {_ALPHA_IB}",
+               24 * GB, f"{_NCCL_NIC}; 192 GB/s of allreduce busbw between DGX A100 nodes with 8 HDR NICs "
+                        "(https://github.com/NVIDIA/nccl/issues/812)"),
+    LinkPreset("ib-ndr", "InfiniBand NDR, 400 Gb/s per port", 5e-6, 400e9 / 8,
                "assumed", "published",
                "NVIDIA Quantum-2 NDR InfiniBand, 400 Gb/s per port, "
-               f"https://www.nvidia.com/en-us/networking/quantum2/; {_ALPHA_IB}"),
+               f"https://www.nvidia.com/en-us/networking/quantum2/; {_ALPHA_IB}",
+               47 * GB, "NCCL's maintainers: 46-48 GB/s per NDR NIC (https://github.com/NVIDIA/nccl-tests/issues/290)"),
     LinkPreset("eth-10g", "10 Gigabit Ethernet, TCP", 50e-6, 10e9 / 8, "assumed", "published",
                "IEEE Std 802.3ae-2002, 10 Gb/s Ethernet; latency assumed: 50 us per message through two kernels' "
                "TCP stacks"),
@@ -139,9 +183,10 @@ class HardwarePreset:
         name: Preset name (`--hardware`).
         device: Key of DEVICES.
         intra: Key of LINKS or CALIBRATED_LINKS, between the devices of a node.
-        inter: Key of LINKS, between nodes (one port per device assumed for InfiniBand, as in NVIDIA's DGX
-            A100 / H100 systems).
+        inter: Key of LINKS, one network port between nodes.
         per_node: Devices per node.
+        nics: Network ports per node (None: one per device, as in NVIDIA's DGX A100 and H100).
+        description: The system, with the source of its configuration.
     """
 
     name: str
@@ -149,6 +194,8 @@ class HardwarePreset:
     intra: str
     inter: str
     per_node: int
+    nics: int | None = None
+    description: str = ""
 
 
 HARDWARE: dict[str, HardwarePreset] = {h.name: h for h in [
@@ -159,6 +206,18 @@ HARDWARE: dict[str, HardwarePreset] = {h.name: h for h in [
     HardwarePreset("a100-pcie4", "a100", "pcie4", "ib-hdr", 8),
     HardwarePreset("a100-nvlink", "a100", "nvlink-a100", "ib-hdr", 8),
     HardwarePreset("h100-nvlink", "h100", "nvlink-h100", "ib-ndr", 8),
+    HardwarePreset("dgx1-v100", "v100", "nvlink-v100", "ib-edr", 8, 4,
+                   "NVIDIA DGX-1 with Tesla V100: 8 V100 SXM2 in a hybrid cube-mesh of NVLink 2, 4 x 100 Gb/s "
+                   "InfiniBand EDR (https://www.nvidia.com/en-us/data-center/dgx-1/)"),
+    HardwarePreset("dgx2-v100", "v100", "nvswitch-v100", "ib-edr", 16, 8,
+                   "NVIDIA DGX-2: 16 V100 SXM3 on NVSwitch, 8 x 100 Gb/s InfiniBand EDR "
+                   "(https://www.nvidia.com/en-us/data-center/dgx-2/)"),
+    HardwarePreset("dgx-a100", "a100", "nvlink-a100", "ib-hdr", 8, 8,
+                   "NVIDIA DGX A100: 8 A100 SXM4 on NVSwitch (NVLink 3), 8 x 200 Gb/s InfiniBand HDR "
+                   "(https://www.nvidia.com/en-us/data-center/dgx-a100/)"),
+    HardwarePreset("dgx-h100", "h100", "nvlink-h100", "ib-ndr", 8, 8,
+                   "NVIDIA DGX H100: 8 H100 SXM5 on NVSwitch (NVLink 4), 8 x 400 Gb/s InfiniBand NDR "
+                   "(https://www.nvidia.com/en-us/data-center/dgx-h100/)"),
 ]}
 
 

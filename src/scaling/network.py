@@ -35,6 +35,23 @@ class Network:
     gradient_dtypes: tuple[str, ...] = ("float32",)
 
 
+def custom_network(parameters: int, grad_bytes: int = 4) -> Network:
+    """A network known only by its parameter count: its gradient, buckets and overlap share from that.
+
+    Args:
+        parameters: Trainable parameters.
+        grad_bytes: Bytes per allreduced gradient element (4 for float32).
+
+    Returns:
+        The network: 25 MiB buckets over parameters x grad_bytes bytes, the last one (which backward fills
+        last) assumed to hold an equal share; no FLOPs (its compute must be given).
+    """
+    n_bytes = parameters * grad_bytes
+    buckets = max(1, -(-n_bytes // DDP_BUCKET_BYTES))
+    return Network(f"a network of {parameters:,} parameters", parameters, n_bytes, 0.0, 1.0 / buckets, buckets,
+                   (f"{grad_bytes}-byte",))
+
+
 def inspect_network(class_path: str, init_args: dict | None = None) -> Network:
     """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from src.scaling.cost_model import Compute, Link, fit_line
-from src.scaling.hardware import CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, link_names
+from src.scaling.hardware import ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, link_names
 from src.scaling.network import Network, inspect_network
 
 # Shipped inside the package (package data), so it is found wherever the package is installed, whatever the
@@ -35,6 +35,10 @@ class Overrides:
             overlap with: the exchange and backward share the cores), otherwise the share of gradient bytes
             outside the last 25 MiB bucket (the last bucket, the first layers, can only be sent after backward).
         messages: Allreduce calls per step, each paying the latency terms; default the number of 25 MiB buckets.
+        nics: Network ports (NICs) per node; default the preset's (4 on a DGX-1, 8 on a DGX-2, DGX A100 and
+            DGX H100). NCCL spreads its rings over all of them.
+        nic_gbps: Line rate of one NIC in Gb/s (e.g. 100 EDR, 200 HDR, 400 NDR); its achieved bandwidth is
+            assumed to be the same share of the line rate as the preset's inter-node link achieves.
     """
 
     devices_per_node: int | None = None
@@ -48,6 +52,8 @@ class Overrides:
     overhead_s: float | None = None
     overlap: float | None = None
     messages: int | None = None
+    nics: int | None = None
+    nic_gbps: float | None = None
 
 
 def load_calibration(path: str) -> dict:
@@ -70,7 +76,7 @@ def load_calibration(path: str) -> dict:
 
 
 def resolve_link(name: str, calibration: str) -> tuple[Link, str]:
-    """The link called `name` and a line saying where its numbers come from.
+    """The link called `name` at its achieved bandwidth, and a line saying where its numbers come from.
 
     Args:
         name: A published link preset (`src.scaling.hardware.LINKS`) or a calibrated one (gloo-loopback,
@@ -83,15 +89,39 @@ def resolve_link(name: str, calibration: str) -> tuple[Link, str]:
     Raises:
         ValueError: Unknown name (the valid ones are listed), or a calibrated link without the calibration file.
     """
+    achieved, _, note = resolve_links(name, calibration)
+    return achieved, note
+
+
+def resolve_links(name: str, calibration: str) -> tuple[Link, Link, str]:
+    """The link called `name` at its achieved bandwidth and at its line rate, and its provenance line.
+
+    A calibrated link's measured bandwidth is both: what was measured is what it achieves.
+
+    Args:
+        name: As `resolve_link`.
+        calibration: As `resolve_link`.
+
+    Returns:
+        (achieved link, line-rate link, provenance line).
+
+    Raises:
+        ValueError: As `resolve_link`.
+    """
     if name in LINKS:
         p = LINKS[name]
-        return p.link(), (f"{p.description}: alpha {p.alpha_s * 1e6:.1f} us [{p.alpha_kind}], bandwidth "
-                          f"{p.bandwidth_bytes_s / 1e9:.2f} GB/s per direction [{p.bandwidth_kind}]; {p.source}")
+        achieved = (f"[published: {p.achieved_source}]" if p.achieved_kind == "published" else
+                    f"[assumed: {ACHIEVED_SHARE:.0%} of the line rate, NCCL's share on H100 NVLink]")
+        return p.link(), p.line_link(), (
+            f"{p.description}: alpha {p.alpha_s * 1e6:.1f} us [{p.alpha_kind}], achieved bandwidth "
+            f"{p.achieved / 1e9:.2f} GB/s per direction {achieved}, line rate {p.bandwidth_bytes_s / 1e9:.2f} "
+            f"GB/s [{p.bandwidth_kind}] (the optimistic end of the range); {p.source}")
     if name in CALIBRATED_LINKS:
         key, description = CALIBRATED_LINKS[name]
         cal = load_calibration(calibration)
         fit = cal["allreduce"][key]
-        return Link(fit["alpha_s"], fit["beta_s_per_byte"]), (
+        link = Link(fit["alpha_s"], fit["beta_s_per_byte"])
+        return link, link, (
             f"{description}: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {1e-9 / fit['beta_s_per_byte']:.2f} "
             f"GB/s [measured: least squares over {len(fit['samples'])} timings, relative error rms "
             f"{fit['fit']['rms_rel_err']:.0%}, max {fit['fit']['max_rel_err']:.0%}; {cal['hardware']}, "

@@ -2,14 +2,15 @@
 
 Two shapes, chosen by the in-process algorithm, both written out here and in `allreduce` / `process_allreduce`:
 
-* `ring` (Horovod's hierarchical allreduce, Sergeev & Del Balso 2018, "Horovod: fast and easy distributed deep
-  learning in TensorFlow"): a reduce-scatter among the K local replicas leaves local device k with the
+* `ring` (Horovod's hierarchical allreduce as reshaped in https://github.com/horovod/horovod/pull/411:
+  reduce-scatter, allreduce, all-gather): a reduce-scatter among the K local replicas leaves local device k with the
   process's sum of one chunk (N/K elements); device k then allreduces that chunk with the same chunk of every
   other process; an all-gather among the K local replicas gives every replica every chunk. Every device sends
   2(K-1)/K·N bytes inside its process and 2(P-1)/P·N/K between processes (with the `ring` between them).
-* `reduce_broadcast` (d2l.ai's shape, one level up): sum on local replica 0, allreduce that one buffer between
-  the processes, copy it back to the other local replicas. Local replica 0 sends (K-1)·N bytes inside the
-  process and 2(P-1)/P·N between processes; every other device sends N.
+* `reduce_broadcast` (d2l.ai's shape one level up; also the shape of Horovod's first hierarchical allreduce,
+  https://github.com/horovod/horovod/pull/329: reduce, allreduce, broadcast): sum on local replica 0,
+  allreduce that one buffer between the processes, copy it back to the other local replicas. Local replica 0
+  sends (K-1)·N bytes inside the process and 2(P-1)/P·N between processes; every other device sends N.
 
 With K = 1 both are just the allreduce between processes.
 """

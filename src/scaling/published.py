@@ -1,0 +1,297 @@
+"""Published multi-GPU measurements, and the bounds of the predictor's uncertain terms fitted on some of them.
+
+The table, `src/scaling/calibration/published_scaling.csv`, holds one row per published measurement of
+data-parallel training throughput: the network and its parameter count, the system (a hardware preset of
+`src.scaling.hardware`), the precision, the batch per GPU, the GPU count, the one-GPU and the N-GPU images/s,
+and the source (repository, file, commit and the row as it is labelled there). Each row is either a
+"calibration" row or a "held-out" row:
+
+* The sync overhead (`src.scaling.cost_model.predict_step`) is fitted on the calibration rows only, per
+  precision class: each row implies one value, and the bounds are a prediction interval around the class's
+  mean (`fit_sync`).
+* The held-out rows are never fitted to; `benchmarks/scaling_validation.py` reports how the ranges do on both.
+
+Pure Python (csv and math): importing it loads neither torch nor Lightning.
+"""
+
+import csv
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from src.scaling.cost_model import BandPrediction, Bounds, Compute, Links, predict_band
+from src.scaling.hardware import HARDWARE, LINKS
+
+TABLE = Path(__file__).parent / "calibration" / "published_scaling.csv"
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MiB), as src.scaling.network uses it
+
+# Precision classes with a calibration: full precision (FP32, or TF32 tensor cores) and PyTorch's native
+# automatic mixed precision (torch.autocast with a GradScaler, or Lightning's 16-mixed / bf16-mixed, which use
+# the same autocast). The held-out rows run with NVIDIA's older APEX AMP have no class of their own: they are
+# predicted as "unknown", the union of both classes' bounds.
+PRECISIONS = ("fp32", "amp")
+
+# [assumed] Standard deviation of one rank's step time, as a share of its mean: 0.5% to 2%. The p50 and p95
+# step times of pytorch/pytorch benchmarks/distributed/ddp/README.md ("Example output") differ by 0 to 5%,
+# which for a normal spread is a standard deviation of 0 to 3%.
+JITTER = (0.005, 0.02)
+
+# [assumed] The share of new rows a precision class's sync-overhead bounds are meant to hold (a two-sided
+# prediction interval); the predicted range adds the jitter, overlap and line-rate terms around it.
+LEVEL = 0.90
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published measurement (a row of the table).
+
+    Args:
+        id: Short name.
+        split: "calibration" or "held-out".
+        network: Network name as published.
+        parameters: Trainable parameters.
+        system: The system as published.
+        hardware: Hardware preset name.
+        precision: "fp32", "amp" or "amp-apex".
+        batch_per_gpu: Images per GPU and step.
+        gpus: GPUs of the multi-GPU measurement.
+        one_gpu_images_per_s: Images/s on one GPU (the efficiency's baseline).
+        images_per_s: Images/s on all GPUs together.
+        efficiency_baseline: What the one-GPU figure is.
+        source: Repository.
+        path: File in it.
+        commit: Commit read.
+        row: The row as labelled in the source.
+    """
+
+    id: str
+    split: str
+    network: str
+    parameters: int
+    system: str
+    hardware: str
+    precision: str
+    batch_per_gpu: int
+    gpus: int
+    one_gpu_images_per_s: float
+    images_per_s: float
+    efficiency_baseline: str
+    source: str
+    path: str
+    commit: str
+    row: str
+
+    @property
+    def efficiency(self) -> float:
+        """Published images/s over gpus x one GPU's."""
+        return self.images_per_s / (self.gpus * self.one_gpu_images_per_s)
+
+    @property
+    def precision_class(self) -> str | None:
+        """The calibrated class the row is predicted with, None for a precision without one."""
+        return self.precision if self.precision in PRECISIONS else None
+
+
+def load_table(path: Path = TABLE) -> list[Published]:
+    """The published rows, in file order.
+
+    Args:
+        path: The CSV table.
+
+    Returns:
+        The rows, with numbers parsed.
+    """
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            rows.append(Published(**{**r, "parameters": int(r["parameters"]), "batch_per_gpu": int(r["batch_per_gpu"]),
+                                     "gpus": int(r["gpus"]), "one_gpu_images_per_s": float(r["one_gpu_images_per_s"]),
+                                     "images_per_s": float(r["images_per_s"])}))
+    return rows
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a prediction from a measured one-device rate needs, besides the bounds.
+
+    Args:
+        parameters: Trainable parameters of the network.
+        grad_bytes: Bytes per allreduced gradient element (4 for float32; PyTorch's native AMP keeps float32
+            gradients).
+        images_per_s: Measured images/s on one device at `batch_per_device`.
+        batch_per_device: Images per device and step.
+        devices: Devices in all.
+        hardware: Hardware preset name.
+        algorithm: "ring", "reduce_broadcast" or "hierarchical".
+        per_node: Devices per node (None: the preset's).
+    """
+
+    parameters: int
+    grad_bytes: int
+    images_per_s: float
+    batch_per_device: int
+    devices: int
+    hardware: str
+    algorithm: str = "ring"
+    per_node: int | None = None
+
+
+def buckets_for(n_bytes: float) -> int:
+    """Allreduce calls per step: DDP's 25 MiB buckets over n bytes of gradient (at least one)."""
+    return max(1, math.ceil(n_bytes / BUCKET_BYTES))
+
+
+def preset_links(hardware: str) -> tuple[Links, Links]:
+    """(achieved, line-rate) links of a hardware preset whose links are published presets."""
+    preset = HARDWARE[hardware]
+    intra, inter = LINKS[preset.intra], LINKS[preset.inter]
+    return (Links(intra.link(), inter.link(), preset.nics),
+            Links(intra.line_link(), inter.line_link(), preset.nics))
+
+
+def predict_setting(s: Setting, bounds: Bounds) -> BandPrediction:
+    """Predict the range of a setting from its measured one-device rate, with the preset's links.
+
+    Compute per device is the measured step, batch / images_per_s, with no fixed part (weak scaling keeps the
+    per-device batch, so only the measured step matters); the gradient goes in 25 MiB buckets, of which all
+    but one can overlap backward for the point prediction (equal buckets assumed).
+
+    Args:
+        s: The setting.
+        bounds: Jitter and sync-overhead bounds.
+
+    Returns:
+        Point, pessimistic and optimistic predictions.
+    """
+    achieved, line = preset_links(s.hardware)
+    per_node = s.per_node or HARDWARE[s.hardware].per_node
+    n_bytes = s.parameters * s.grad_bytes
+    messages = buckets_for(n_bytes)
+    return predict_band(s.algorithm, s.devices, s.batch_per_device, "per_device", Compute(0.0, 1.0 / s.images_per_s),
+                        n_bytes, per_node, achieved, line, 1.0 - 1.0 / messages, messages, bounds)
+
+
+def setting_of(row: Published) -> Setting:
+    """The setting of a published row (ring allreduce, float32 gradients)."""
+    return Setting(row.parameters, 4, row.one_gpu_images_per_s, row.batch_per_gpu, row.gpus, row.hardware)
+
+
+def _implied_overhead(row: Published) -> float:
+    """The sync overhead at which the point prediction equals the row's published efficiency.
+
+    Bisection on [0, 1] (the efficiency falls as the overhead grows), with the jitter halfway between its
+    bounds and the point prediction's overlap; 0 when even no overhead predicts less than published.
+    """
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if predict_setting(setting_of(row), Bounds(JITTER, (mid, mid))).point.efficiency > row.efficiency:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def student_t_quantile(q: float, dof: int) -> float:
+    """The q-quantile (0.5 < q < 1) of Student's t distribution with `dof` degrees of freedom.
+
+    Bisection on the distribution function, whose density is integrated by Simpson's rule from 0.
+    """
+    if not 0.5 < q < 1 or dof < 1:
+        raise ValueError(f"need 0.5 < q < 1 and dof >= 1, got {q} and {dof}")
+    norm = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
+
+    def cdf(x: float) -> float:
+        steps = 400
+        h = x / steps
+        total = sum((1 if i in (0, steps) else (4 if i % 2 else 2)) * (1 + (i * h) ** 2 / dof) ** (-(dof + 1) / 2)
+                    for i in range(steps + 1))
+        return 0.5 + norm * total * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < q:
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class SyncFit:
+    """The sync overhead fitted on the calibration rows of one precision class.
+
+    Args:
+        precision: The class.
+        implied: Each calibration row's implied overhead (share of the compute), in table order.
+        mean: Their mean.
+        spread: Standard deviation pooled over all classes (around each class's own mean).
+        t: Student's t quantile used for the prediction interval.
+        bounds: (lower, upper): mean -+ t · spread · sqrt(1 + 1/n), the lower bound at least 0.
+    """
+
+    precision: str
+    implied: tuple[float, ...]
+    mean: float
+    spread: float
+    t: float
+    bounds: tuple[float, float]
+
+
+@cache
+def fit_sync(path: Path = TABLE) -> dict[str, SyncFit]:
+    """Sync-overhead bounds per precision class, fitted on the calibration rows of the table only.
+
+    Each calibration row implies one overhead (`_implied_overhead`). Within a class these are taken as a
+    normal sample; the spread is pooled over the classes (n - k degrees of freedom for n rows in k classes),
+    and the bounds are the two-sided `LEVEL` prediction interval for one new row of the class:
+    mean -+ t · spread · sqrt(1 + 1/n_class) (Student's t). A class with one row has a mean and shares the
+    others' spread.
+
+    Args:
+        path: The table.
+
+    Returns:
+        {precision class: its fit}.
+
+    Raises:
+        ValueError: A class has no calibration row, or there are too few rows for a spread.
+    """
+    calibration = [r for r in load_table(path) if r.split == "calibration"]
+    implied = {name: tuple(_implied_overhead(r) for r in calibration if r.precision == name) for name in PRECISIONS}
+    empty = [name for name, values in implied.items() if not values]
+    if empty:
+        raise ValueError(f"{path} has no calibration row of precision {', '.join(empty)}")
+    means = {name: sum(values) / len(values) for name, values in implied.items()}
+    dof = sum(map(len, implied.values())) - len(implied)
+    if dof < 1:
+        raise ValueError(f"{path} needs more calibration rows than precision classes to estimate a spread")
+    spread = math.sqrt(sum((v - means[name]) ** 2 for name, values in implied.items() for v in values) / dof)
+    t = student_t_quantile(0.5 + LEVEL / 2, dof)
+    fits = {}
+    for name, values in implied.items():
+        half = t * spread * math.sqrt(1 + 1 / len(values))
+        fits[name] = SyncFit(name, values, means[name], spread, t, (max(0.0, means[name] - half), means[name] + half))
+    return fits
+
+
+def bounds_for(precision: str | None) -> Bounds:
+    """Jitter and sync-overhead bounds for a precision class; None (unknown) takes the union of the classes.
+
+    Args:
+        precision: "fp32", "amp" or None.
+
+    Returns:
+        The bounds.
+
+    Raises:
+        ValueError: Unknown precision.
+    """
+    fitted = {name: fit.bounds for name, fit in fit_sync().items()}
+    if precision is None:
+        return Bounds(JITTER, (min(lo for lo, _ in fitted.values()), max(hi for _, hi in fitted.values())))
+    if precision not in fitted:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}, or leave it "
+                         "out (unknown: both classes' bounds)")
+    return Bounds(JITTER, fitted[precision])
