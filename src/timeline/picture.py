@@ -35,10 +35,11 @@ def phase_of(name: str) -> str | None:
 
 def lane_of(span: Span, marks: list[Span]) -> int | None:
     """Whose work a labelled span is: replica k for `dp/replica k/...` and for a torch span inside one (on the
-    same thread); replica 0 for other compute spans (torch's optimizer spans of the module the Trainer holds);
-    None, the whole process, for the rest (scatter, allreduce, waits, the loop)."""
+    same thread); replica 0 for other torch compute spans (the optimizer of the module the Trainer holds);
+    None, the whole process, for the other `dp/` spans (scatter, allreduce, waits, the loop, a backward of
+    all replicas at once) and torch's communication and data-loading spans."""
     k = replica_of(span.name)
-    if k is not None:
+    if k is not None or span.name.startswith("dp/"):
         return k
     around = [m for m in marks if m.tid == span.tid and m.start <= span.start and span.end <= m.end]
     if around:
