@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce` before any Trainer is built
-from src.callbacks import EpochReport, PredictionWriter, ProcessGroupCleanup
+from src.callbacks import EpochReport, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import ImageClassifier
 from src.run.checkpoints import check_checkpoint, resolve_last_checkpoint
 from src.run.cleanup import register as register_process_group_cleanup
+from src.run.elastic import apply_launcher_layout, fit_split_weights, resolve_auto_checkpoint
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.run.launch_checks import check_before_run
 from src.run.lightning_compat import give_lost_rank_reports_time
@@ -47,6 +48,7 @@ class CLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Runs go under trainer.default_root_dir (configs/defaults.yaml: logs) unless the logger's save_dir is given
         trainer = self.config[self.subcommand].trainer
+        apply_launcher_layout(trainer)  # under torchrun: the nodes of this rendezvous round, not a fixed number
         logger = trainer.get("logger")
         # the second name is RunLogger's old path, in the config.yaml of runs saved before it moved
         if getattr(logger, "class_path", None) in (f"{RunLogger.__module__}.{RunLogger.__name__}",
@@ -55,9 +57,11 @@ class CLI(LightningCLI):
                 logger.init_args.save_dir = trainer.get("default_root_dir") or "logs"
 
     def _check(self) -> None:
+        fit_split_weights(self.trainer.strategy)  # a restart with another number of replicas: equal shares
         check_before_run(self.trainer, self.datamodule)
-        if not any(isinstance(c, ProcessGroupCleanup) for c in self.trainer.callbacks):
-            self.trainer.callbacks.append(ProcessGroupCleanup())  # reaches ddp_spawn's workers too
+        for callback in (ProcessGroupCleanup, RestartReport):  # missing from the config.yaml of older runs
+            if not any(isinstance(c, callback) for c in self.trainer.callbacks):
+                self.trainer.callbacks.append(callback())  # ProcessGroupCleanup reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
         processes = parallel_layout(self.trainer.strategy).processes // max(self.trainer.num_nodes, 1)
         use_threads(choose_threads(self.config[self.subcommand].get("threads"), processes))
@@ -76,6 +80,18 @@ class CLI(LightningCLI):
                              "loads checkpoints with torch's weights-only unpickler only (see docs/security.md)")
         if "weights_only" in config:
             config["weights_only"] = True  # explicit: torch then ignores TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+        if str(self.trainer.precision) == "64-true":
+            # Lightning loads a checkpoint into the model before it converts the model to float64: loaded into
+            # float32 weights, a float64 checkpoint would be rounded, and a resumed run would not continue exactly
+            self.model.double()
+        if config.get("ckpt_path") == "auto":
+            if self.subcommand != "fit":
+                raise ValueError(f"--ckpt_path auto resumes training; {self.subcommand} takes a checkpoint's path "
+                                 "or last")
+            config["ckpt_path"] = resolve_auto_checkpoint(logger)
+            for callback in self.trainer.callbacks:  # the run's folder is this job's: a restart rewrites config.yaml
+                if isinstance(callback, SaveConfigCallback):
+                    callback.overwrite = True
         if config.get("ckpt_path"):
             config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], _experiment_dir(logger))
             check_checkpoint(config["ckpt_path"], self.model)

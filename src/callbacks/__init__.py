@@ -10,8 +10,9 @@ from src.callbacks.hparams_metrics import HParamsMetrics
 from src.callbacks.last_checkpoint import LastCheckpoint
 from src.callbacks.prediction_writer import PredictionWriter
 from src.callbacks.process_group_cleanup import ProcessGroupCleanup
+from src.callbacks.restart_report import RestartReport
 from src.callbacks.step_timeline import StepTimeline
 from src.callbacks.strategy_metrics import StrategyMetrics
 
 __all__ = ["ClassReport", "EpochReport", "HParamsMetrics", "LastCheckpoint", "PredictionWriter", "ProcessGroupCleanup",
-           "StepTimeline", "StrategyMetrics"]
+           "RestartReport", "StepTimeline", "StrategyMetrics"]

@@ -28,7 +28,8 @@ class EpochReport(pl.Callback):
     """Logs `time/epoch_s` (training seconds, validation excluded, as the d2l.ai chapters count it) and
     `throughput/images_per_s` (training images per second over all processes), then prints
     `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu] (2 threads)` on rank 0 (with the number of
-    batches run when an epoch was cut short by max_steps or limit_train_batches).
+    batches run when an epoch was cut short by max_steps or limit_train_batches, or by a restart in it, which
+    `RestartReport` names at the end).
 
     Also logs the medians over the epochs so far, `hp/epoch_s_median` and `hp/images_per_s_median` (metrics of
     the HPARAMS table), counts the images of the last test run over all processes (`test_images`) and keeps the
@@ -42,6 +43,9 @@ class EpochReport(pl.Callback):
         self._val_seconds = 0.0
         self._images = self._batches = 0
         self.test_images = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)  # a run resumed mid-epoch gets no on_train_epoch_start
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._val_seconds, self._images, self._batches = time.perf_counter(), 0.0, 0, 0
@@ -80,8 +84,10 @@ class EpochReport(pl.Callback):
         devices = layout_words(parallel_layout(trainer.strategy), torch.get_num_threads())
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
+        # callbacks with epoch_words (RestartReport: " (restart 1 at step 350, 10 steps redone)") add theirs
+        words = "".join(c.epoch_words(trainer.current_epoch) for c in trainer.callbacks if hasattr(c, "epoch_words"))
         say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
-                     f"{throughput:,.0f} images/s on {devices}")
+                     f"{throughput:,.0f} images/s on {devices}{words}")
 
 
 def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:

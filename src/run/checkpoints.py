@@ -1,14 +1,17 @@
 """Checkpoint files: writes that never leave a half-written file, loads that never run code, `--ckpt_path last`
-found in any run of the experiment, and a checkpoint checked against the configured model before a run starts."""
+found in any run of the experiment, `--ckpt_path auto` in this run's folder, and a checkpoint checked against the
+configured model before a run starts."""
 
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 def _keep_location(storage: Any, location: Any) -> Any:
@@ -80,6 +83,30 @@ def resolve_last_checkpoint(ckpt_path: str | None, experiment_dir: Path | None) 
         raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {experiment_dir}/*/version_*/checkpoints/; "
                                 "nothing to resume (drop --ckpt_path to start a new run, or give the path)")
     return str(found[-1])
+
+
+def newest_complete_checkpoint(experiment_dir: Path, run_folder: str) -> Path | None:
+    """The newest checkpoint (by modification time) of one run, for `--ckpt_path auto`.
+
+    The run is the folder `run_folder` (a logger version, e.g. "elastic-JOB") under any run name of the
+    experiment (`<experiment_dir>/<strategy>-<P>x<K>-<device>/<run_folder>/checkpoints/*.ckpt`, or
+    `<experiment_dir>/<run_folder>/checkpoints/`), so a restart on another number of processes finds the
+    checkpoints of the first start. Temporary files of an interrupted save (`.<name>.tmp-<pid>`) are not
+    `*.ckpt`; a file whose zip directory is unreadable (truncated, e.g. written by another tool without a rename)
+    is passed over with a line saying so, and kept.
+
+    Returns:
+        The file, or None when the run has no complete checkpoint yet.
+    """
+    root = Path(experiment_dir)
+    found = [*root.glob(f"{run_folder}/checkpoints/*.ckpt"), *root.glob(f"*/{run_folder}/checkpoints/*.ckpt")]
+    for path in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            with zipfile.ZipFile(path):
+                return path
+        except (zipfile.BadZipFile, OSError) as err:
+            rank_zero_warn(f"--ckpt_path auto: passing over {path}, which is incomplete ({err})")
+    return None
 
 
 class UnsafeCheckpointError(ValueError):

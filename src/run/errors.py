@@ -1,6 +1,7 @@
 """One clear line for each way a run can be set up wrong: the CLI prints these instead of a traceback."""
 
 import difflib
+import os
 import re
 from pathlib import Path
 
@@ -97,9 +98,11 @@ def describe_lost_rank(text: str) -> str | None:
     others = [r for r in range(world) if r != rank]
     lost = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
     detail = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])[:160]  # drop gloo's source-file prefix
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"  # torchrun's elastic agent restarts the job
+    then = "torchrun restarts the job while it has restarts left (--ckpt_path auto resumes it)" if restarts else \
+        "then restart the whole job with --ckpt_path last"
     return (f"training lost {lost}: it died or stopped answering during a collective, so this process (rank {rank} of "
-            f"{world}) stops too. Look at {lost}'s log for why, then restart the whole job with --ckpt_path last. "
-            f"[{detail}]")
+            f"{world}) stops too. Look at {lost}'s log for why; {then}. [{detail}]")
 
 
 def describe(err: BaseException) -> str:

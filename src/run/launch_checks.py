@@ -10,7 +10,8 @@ from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.run.lightning_compat import sync_batchnorm_requested
-from src.sharding import check_enough_samples, check_global_batch, check_split_weights
+from src.run.elastic import check_ddp_batch_after_restart
+from src.sharding import check_enough_samples, check_split_weights
 from src.strategies.layout import ParallelLayout, parallel_layout
 
 
@@ -79,6 +80,5 @@ def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) ->
         check_cluster(trainer.num_nodes, trainer.strategy.cluster_environment)
     check_sync_batchnorm(trainer.strategy, trainer.accelerator)
     if not layout.splits_any_batch:  # DDP: every rank takes an equal part; ours splits any batch
-        check_global_batch("data.batch_size", datamodule.batch_size, layout.processes)
-        check_global_batch("data.eval_batch_size", datamodule.eval_batch_size, layout.processes)
+        check_ddp_batch_after_restart(datamodule.batch_size, datamodule.eval_batch_size, layout.processes)
     check_replicas(datamodule.batch_size, datamodule.eval_batch_size, layout)

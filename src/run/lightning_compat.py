@@ -93,6 +93,12 @@ def file_writer(summary_writer: Any) -> Any:
     return summary_writer._get_file_writer()
 
 
+def set_logger_version(logger: Any, version: str) -> None:
+    """Make a TensorBoardLogger write to the folder `version` (below its name) instead of the one it was given or
+    would pick (the next free `version_N`). The version is a constructor argument only, with no setter."""
+    logger._version = version
+
+
 def give_lost_rank_reports_time(seconds: int = 30) -> None:
     """Make the DDP launcher's child-process observer wait `seconds` between checks instead of 5.
 

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from src.run.lightning_compat import file_writer
+from src.run.lightning_compat import file_writer, set_logger_version
 from src.strategies.layout import parallel_layout
 
 # The metrics of the HPARAMS table, logged by src.callbacks.HParamsMetrics and EpochReport
@@ -78,7 +78,7 @@ class RunLogger(TensorBoardLogger):
                  name_by_run: bool = True, **kwargs: Any) -> None:
         kwargs["default_hp_metric"] = False
         super().__init__(save_dir if save_dir is not None else "logs", name=name, version=version, **kwargs)
-        self.experiment_name, self.name_by_run = name, name_by_run
+        self.experiment_name, self.name_by_run, self.given_version = name, name_by_run, version
         self.run_name = ""  # "<strategy>-<P>x<K>-<device>", or "<stage>/<...>" for validate, test, predict
         self.run_hparams: dict[str, Any] = {}
         self._hparams_written = False
@@ -86,6 +86,18 @@ class RunLogger(TensorBoardLogger):
     def describe_run(self, run_name: str, hparams: dict[str, Any]) -> None:
         """Set the run's folder name (below the experiment) and the hyperparameters that describe it."""
         self.run_name, self.run_hparams = run_name, dict(hparams)
+
+    def continue_run(self, version: str, run_name: str | None = None) -> None:
+        """Write to `<experiment>/<run name>/<version>`: a restarted job goes on in the folder it started in.
+
+        Args:
+            version: The run's folder, e.g. "elastic-JOB".
+            run_name: The run name the job started under (e.g. "split_allreduce-3x1-cpu"), when it had one; a
+                restart on fewer processes keeps it, so that one job stays one TensorBoard run.
+        """
+        set_logger_version(self, version)
+        if run_name is not None:
+            self.run_name = run_name
 
     @property
     @override

@@ -38,3 +38,25 @@ class HangAtStep(pl.Callback):
             import time
 
             time.sleep(3600)
+
+
+class KillNodeAtStep(pl.Callback):
+    """Under torchrun, SIGKILLs this process's agent (`agent=True`: a lost machine) and then this process itself,
+    after optimizer step `step`, on the node started with environment variable TEST_NODE=`node`, and only
+    before the first restart (TORCHELASTIC_RESTART_COUNT 0), so the restarted job runs to its end.
+
+    Args:
+        step: Global step after which to die.
+        node: The TEST_NODE value of the node that dies.
+        agent: Kill the torchrun agent too (the parent process), not only the worker.
+    """
+
+    def __init__(self, step: int, node: str, agent: bool = True) -> None:
+        self.step, self.node, self.agent = step, node, agent
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and os.environ.get("TEST_NODE") == self.node and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            if self.agent:
+                os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
