@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -53,8 +54,12 @@ class CLI(LightningCLI):
         # the second name is RunLogger's old path, in the config.yaml of runs saved before it moved
         if getattr(logger, "class_path", None) in (f"{RunLogger.__module__}.{RunLogger.__name__}",
                                                     "src.run_logger.RunLogger"):
-            if logger.init_args.get("save_dir") is None:
+            if logger.init_args.get("save_dir") is None or self.subcommand == "predict":
+                # predict: the command line's default_root_dir, not the save_dir of the run's config.yaml
                 logger.init_args.save_dir = trainer.get("default_root_dir") or "logs"
+        self._experiment = _configured_experiment_dir(logger, trainer.get("default_root_dir") or "logs")
+        if self.subcommand == "predict":
+            trainer.logger = False  # a predict run adds no TensorBoard run (and no empty HPARAMS row)
 
     def _check(self) -> None:
         fit_split_weights(self.trainer.strategy)  # a restart with another number of replicas: equal shares
@@ -93,20 +98,29 @@ class CLI(LightningCLI):
                 if isinstance(callback, SaveConfigCallback):
                     callback.overwrite = True
         if config.get("ckpt_path"):
-            config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"], _experiment_dir(logger))
+            config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"],
+                                                          _experiment_dir(logger) or self._experiment)
             check_checkpoint(config["ckpt_path"], self.model)
 
     before_fit = before_validate = before_test = _check
 
     def before_predict(self) -> None:
         """Every image of `data.predict_dir`, then the launch checks (so a refused file stops the run before any
-        prediction is made); predictions go to predictions.csv through a `PredictionWriter` (one is added
-        when the config has none, e.g. the config.yaml of an older run) instead of being kept in memory."""
+        prediction is made); predictions go to `<default_root_dir>/<model>/predict/predictions_<N>.csv` through a
+        `PredictionWriter` (one is added when the config has none, e.g. the config.yaml of an older run) instead of
+        being kept in memory."""
         if getattr(self.datamodule, "predict_dir", None) is not None:
             self.datamodule.check_predict_files()  # first: a refused image is the first thing to fix
         self._check()
+        # predict is not a run: no config.yaml (it would land in default_root_dir itself), and no checkpoint
+        # callbacks, which have nothing to save and, restored from the checkpoint, would warn their folder changed
+        self.trainer.callbacks = [c for c in self.trainer.callbacks
+                                  if not isinstance(c, (ModelCheckpoint, SaveConfigCallback))]
         if not any(isinstance(c, PredictionWriter) for c in self.trainer.callbacks):
             self.trainer.callbacks.append(PredictionWriter())
+        for writer in self.trainer.callbacks:
+            if isinstance(writer, PredictionWriter) and writer.directory is None and self._experiment is not None:
+                writer.directory = str(self._experiment / "predict")
         self.config_init[self.subcommand]["return_predictions"] = False
 
     def after_fit(self) -> None:
@@ -123,6 +137,15 @@ class CLI(LightningCLI):
 
 
 DEFAULTS = Path(__file__).resolve().parent.parent / "configs" / "defaults.yaml"
+
+
+def _configured_experiment_dir(logger: object, default_root_dir: str) -> Path | None:
+    """`<save_dir>/<experiment name>` from the logger's config, before it is instantiated (None without one)."""
+    init_args = getattr(logger, "init_args", None)
+    name = init_args.get("name") if init_args is not None else None
+    if not name:
+        return None
+    return Path(init_args.get("save_dir") or default_root_dir) / name
 
 
 def _experiment_dir(logger: object) -> Path | None:

@@ -98,8 +98,9 @@ def test_a_config_saved_with_the_old_class_paths_still_predicts(tiny_data_dir, t
     assert "src.run_logger.RunLogger" in old and "src.prediction_writer.PredictionWriter" in old
     config = tmp_path / "config.yaml"
     config.write_text(old.replace("SAVE_DIR", str(logs)).replace("DATA_DIR", str(tiny_data_dir)))
-    assert run(["predict", "--config", str(config), "--ckpt_path", str(ckpt)]) == 0
-    written = sorted((logs / "lenet" / "predict").glob("*/version_*/predictions.csv"))
+    assert run(["predict", "--config", str(config), "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
+                str(logs)]) == 0
+    written = sorted((logs / "lenet" / "predict").glob("predictions_*.csv"))
     assert len(written) == 1
     with open(written[0], newline="") as f:
         rows = list(csv.DictReader(f))

@@ -1,6 +1,7 @@
 """`predict` on a folder of images and on the test split: conversion, predictions.csv, refused inputs."""
 
 import csv
+import logging
 import os
 import struct
 import subprocess
@@ -70,18 +71,25 @@ def test_conversion_rule(tmp_path):
     assert x["d_cutout.png"][14, 14] >= 200 and x["d_cutout.png"][1, 1] <= 10  # transparent -> white -> black
 
 
-def test_predict_a_folder(trained, tmp_path):
+def test_predict_a_folder(trained, tmp_path, caplog):
     folder = tmp_path / "images"
     names = _write_images(folder)
     ckpt = trained / "checkpoints" / "last.ckpt"
-    assert run(["predict", "--config", str(trained / "config.yaml"), "--ckpt_path", str(ckpt),
-                "--data.predict_dir", str(folder), "--data.eval_batch_size", "2"]) == 0
-    runs = trained.parent.parent / "predict" / "single-1x1-cpu"  # predict runs are kept apart from training runs
-    out = max(runs.glob("version_*/predictions.csv"), key=lambda f: f.stat().st_mtime)
+    args = ["predict", "--config", str(trained / "config.yaml"), "--ckpt_path", str(ckpt),
+            "--data.predict_dir", str(folder), "--data.eval_batch_size", "2", "--trainer.default_root_dir",
+            str(tmp_path / "out")]  # wins over the save_dir in the training run's config.yaml
+    with caplog.at_level(logging.INFO):
+        assert run(args) == 0
+    out = tmp_path / "out" / "lenet" / "predict" / "predictions_0.csv"
+    assert f"rows written to {out}" in caplog.text and out.is_absolute()
+    assert run(args) == 0  # a second run writes a new file
+    assert (out.parent / "predictions_1.csv").read_text() == out.read_text()
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file()) == ["predictions_0.csv",
+                                                                                 "predictions_1.csv"]  # no TB run
     rows = _rows(out)
     assert [r["file"] for r in rows] == names
     assert list(rows[0]) == ["file", "predicted", "top1_prob", "top2", "top2_prob", "top3", "top3_prob"]
-    assert not list(out.parent.glob(".predictions.csv.tmp*"))
+    assert not list(out.parent.glob(".predictions*.tmp*"))
 
     model = LeNetClassifier()
     model.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
@@ -97,8 +105,9 @@ def test_predict_a_folder(trained, tmp_path):
 
 def test_predict_the_test_split(trained, fast_args, tmp_path):
     ckpt = trained / "checkpoints" / "last.ckpt"
-    assert run(["predict", *LENET, *fast_args, "--ckpt_path", str(ckpt), "--data.eval_batch_size", "64"]) == 0
-    out = tmp_path / "logs" / "lenet" / "predict" / "single-1x1-cpu" / "version_0" / "predictions.csv"
+    assert run(["predict", *LENET, *fast_args, "--ckpt_path", str(ckpt), "--data.eval_batch_size", "64",
+                "--trainer.default_root_dir", str(tmp_path / "logs")]) == 0
+    out = tmp_path / "logs" / "lenet" / "predict" / "predictions_0.csv"
     rows = _rows(out)
     assert len(rows) == 200 and [r["file"] for r in rows] == [str(i) for i in range(200)]  # the tiny test split
     assert list(rows[0])[-1] == "true" and {r["true"] for r in rows} <= set(CLASSES)
@@ -150,7 +159,7 @@ def test_bad_folders_are_refused(kind, expected, fast_args, tmp_path, capsys):
     message = err.split("\n(add --debug")[0]
     assert message.startswith("error: ") and "\n" not in message and "Traceback" not in err, err
     assert name in message and expected in message, message
-    assert not list(tmp_path.rglob("predictions.csv")) and not list(tmp_path.rglob(".predictions.csv.tmp*"))
+    assert not list(tmp_path.rglob("predictions*.csv")) and not list(tmp_path.rglob(".predictions*.tmp*"))
 
 
 def test_a_decompression_bomb_is_refused_before_decoding(fast_args, tmp_path):
@@ -169,7 +178,7 @@ def test_a_decompression_bomb_is_refused_before_decoding(fast_args, tmp_path):
     assert "\n" not in message and "bomb.png" in message and "Traceback" not in err, err
     assert "pixels" in message
     assert usage.ru_maxrss < 2 * 1024 * 1024, f"peak RSS {usage.ru_maxrss} KiB"  # KiB on Linux
-    assert not list(tmp_path.rglob("predictions.csv"))
+    assert not list(tmp_path.rglob("predictions*.csv"))
 
 
 def test_a_header_over_the_limit_is_refused(tmp_path):
@@ -189,15 +198,15 @@ def test_ddp_predict_writes_one_csv_equal_to_one_device(trained, tmp_path):
     common = ["predict", "--config", str(trained / "config.yaml"), "--ckpt_path",
               str(trained / "checkpoints" / "last.ckpt"), "--data.predict_dir", str(folder),
               "--data.eval_batch_size", "4"]
-    assert run([*common, "--trainer.logger.init_args.save_dir", str(tmp_path / "one")]) == 0
+    assert run([*common, "--trainer.default_root_dir", str(tmp_path / "one")]) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
     proc = subprocess.run([sys.executable, "-m", "src.cli", *common, "--config", "configs/strategy/ddp_cpu.yaml",
-                           "--trainer.logger.init_args.save_dir", str(tmp_path / "ddp")],
+                           "--trainer.default_root_dir", str(tmp_path / "ddp")],
                           cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one = _rows(tmp_path / "one" / "lenet" / "predict" / "single-1x1-cpu" / "version_0" / "predictions.csv")
-    ddp = _rows(tmp_path / "ddp" / "lenet" / "predict" / "ddp-2x1-cpu" / "version_0" / "predictions.csv")
+    one = _rows(tmp_path / "one" / "lenet" / "predict" / "predictions_0.csv")
+    ddp = _rows(tmp_path / "ddp" / "lenet" / "predict" / "predictions_0.csv")
     assert len(one) == 7 and [r["file"] for r in ddp] == [r["file"] for r in one]
     for a, b in zip(one, ddp):
         assert [a[k] for k in ("predicted", "top2", "top3")] == [b[k] for k in ("predicted", "top2", "top3")]

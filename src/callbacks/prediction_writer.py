@@ -1,4 +1,4 @@
-"""predictions.csv: one row per predicted image, streamed batch by batch, published whole at the end."""
+"""predictions_<N>.csv: one row per predicted image, streamed batch by batch, published whole at the end."""
 
 import csv
 import os
@@ -20,25 +20,29 @@ COLUMNS = ("file", "predicted", "top1_prob", "top2", "top2_prob", "top3", "top3_
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes `predictions.csv` from `ImageClassifier.predict_step`'s outputs (probabilities and indices).
+    """Writes `predictions_<N>.csv` from `ImageClassifier.predict_step`'s outputs (probabilities and indices).
 
     Columns: `file` (the image's file name, or its index in the test split when data.predict_dir is not set),
     `predicted` (class name), `top1_prob`, `top2`, `top2_prob`, `top3`, `top3_prob`, and for the test split
     `true` (the labelled class). Class names are `src.data.fashion_mnist.CLASSES`; rows follow the order of
     the files (sorted by name) or of the test split.
 
-    Rows go to a temporary file in the destination folder batch by batch (nothing is held in memory), which
-    replaces `predictions.csv` (os.replace) when the run ends: the file is never half-written, and a failed
-    run removes its temporary file and leaves no predictions.csv. Under DDP every batch's rows are gathered
-    onto rank 0 (`trainer.strategy.all_gather`), which alone writes the file.
+    Each predict run writes a new file, `predictions_<N>.csv` with N the first number not taken in the folder
+    (0, 1, ...), so a second run never overwrites the first. Rows go to a temporary file in that folder batch by
+    batch (nothing is held in memory), which becomes the CSV (os.replace) when the run ends: the file is never
+    half-written, and a failed run removes its temporary file and leaves no CSV. Under DDP every batch's rows
+    are gathered onto rank 0 (`trainer.strategy.all_gather`), which alone writes the file. The end of the run
+    prints the CSV's absolute path.
 
     Args:
-        output_path: Where to write the CSV (default: `predictions.csv` in the run's log dir, `trainer.log_dir`).
+        output_path: The CSV's path, used as given (it replaces an existing file).
+        directory: The folder of the numbered CSVs (the CLI sets `<default_root_dir>/<model>/predict`;
+            default: `trainer.log_dir`, else the working folder).
     """
 
-    def __init__(self, output_path: str | None = None) -> None:
+    def __init__(self, output_path: str | None = None, directory: str | None = None) -> None:
         super().__init__(write_interval="batch")
-        self.output_path = output_path
+        self.output_path, self.directory = output_path, directory
         self.path: Path | None = None  # where the last predict run wrote (or would have written) its CSV
         self.rows = 0
         self._tmp: Path | None = None
@@ -47,7 +51,8 @@ class PredictionWriter(BasePredictionWriter):
         self._names: list[str] | None = None
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.path = Path(self.output_path) if self.output_path else Path(trainer.log_dir or ".") / "predictions.csv"
+        folder = Path(self.directory or trainer.log_dir or ".")
+        self.path = Path(self.output_path) if self.output_path else _next_free(folder)
         self.rows = 0
         files = getattr(trainer.datamodule, "predict_files", None)
         predicting_files = getattr(trainer.datamodule, "predict_dir", None) is not None and files is not None
@@ -102,7 +107,7 @@ class PredictionWriter(BasePredictionWriter):
         self._file = self._writer = None
         os.replace(self._tmp, self.path)
         self._tmp = None
-        rank_zero_info(f"predictions: {self.rows:,} rows written to {self.path}")
+        rank_zero_info(f"predictions: {self.rows:,} rows written to {self.path.resolve()}")
 
     def _discard(self) -> None:
         if self._file is not None:
@@ -117,3 +122,11 @@ class PredictionWriter(BasePredictionWriter):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._discard()  # a run that ended without on_predict_end (interrupted) leaves no temporary file
+
+
+def _next_free(folder: Path) -> Path:
+    """`folder/predictions_<N>.csv` with the smallest N >= 0 not taken yet."""
+    n = 0
+    while (folder / f"predictions_{n}.csv").exists():
+        n += 1
+    return folder / f"predictions_{n}.csv"

@@ -186,7 +186,7 @@ class ImageClassifier(pl.LightningModule):
             {"probs": softmax of the logits, (B, num_classes) float32 (computed in float32 whatever the
             precision), "target": y (B,) int64 (-1 for unlabelled images), "index": (B,) int64, the samples'
             positions in the predict set (batch_idx * B + arange(B) when the batch carries none)}.
-            `src.callbacks.prediction_writer.PredictionWriter` writes these as rows of predictions.csv.
+            `src.callbacks.prediction_writer.PredictionWriter` writes these as rows of its CSV.
         """
         x, y = batch[0], batch[1]
         index = batch[2] if len(batch) > 2 else batch_idx * len(y) + torch.arange(len(y), device=y.device)
