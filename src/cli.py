@@ -6,10 +6,10 @@ FMNIST_DEBUG=1) shows the full traceback instead.
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -112,10 +112,12 @@ class CLI(LightningCLI):
         if getattr(self.datamodule, "predict_dir", None) is not None:
             self.datamodule.check_predict_files()  # first: a refused image is the first thing to fix
         self._check()
-        # predict is not a run: no config.yaml (it would land in default_root_dir itself), and no checkpoint
-        # callbacks, which have nothing to save and, restored from the checkpoint, would warn their folder changed
-        self.trainer.callbacks = [c for c in self.trainer.callbacks
-                                  if not isinstance(c, (ModelCheckpoint, SaveConfigCallback))]
+        # predict is not a run: it saves no config.yaml (it would land in default_root_dir itself)
+        self.trainer.callbacks = [c for c in self.trainer.callbacks if not isinstance(c, SaveConfigCallback)]
+        # the checkpoint callbacks stay (Lightning warns when a checkpoint's callback states find no callback), but
+        # there is nothing of theirs to restore in predict: their folder is not the training run's
+        warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning,
+                                module=r"lightning\.pytorch\.callbacks\.model_checkpoint")
         if not any(isinstance(c, PredictionWriter) for c in self.trainer.callbacks):
             self.trainer.callbacks.append(PredictionWriter())
         for writer in self.trainer.callbacks:
