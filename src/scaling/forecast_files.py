@@ -156,7 +156,9 @@ def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] 
         pts = [m for m in measured if m["strategy"] == strategy]
         kw = dict(marker="x", s=60, zorder=3, label=f"{strategy} (measured)")
         ax_ips.scatter([int(m["devices"]) for m in pts], [float(m["images_per_s"]) for m in pts], **kw)
-        ax_eff.scatter([int(m["devices"]) for m in pts], [float(m["efficiency"]) for m in pts], **kw)
+        # speedup / devices, the predictor's definition (a CPU report's own efficiency column divides by 1x)
+        ax_eff.scatter([int(m["devices"]) for m in pts],
+                       [float(m["speedup_vs_single"]) / int(m["devices"]) for m in pts], **kw)
     counts = sorted({r.devices for r in rows})
     for ax, label in ((ax_ips, "training throughput (images/s)"), (ax_eff, "efficiency = speedup / devices")):
         if counts[-1] > 8 * counts[0]:

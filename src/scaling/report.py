@@ -37,9 +37,11 @@ class Row:
         sec_per_epoch: Seconds per epoch, median over epochs (the first excluded if there are more).
         images_per_s: Training throughput, images/s, median likewise.
         speedup_vs_single: single's sec/epoch over this run's.
-        efficiency: Speedup / devices.
+        efficiency: Speedup / ideal speedup (`ideal_speedup`), the same ideal as the plot's dashed line.
         final_val_acc: Validation accuracy after the last epoch (0..1).
         accelerator: cpu or gpu, what the devices were (the predictor compares like with like by it).
+        ideal_speedup: The best speedup this many devices could give: `devices` for devices of their own, 1 for
+            CPU "devices" that share the same cores (`ideal_speedup`).
     """
 
     strategy: str
@@ -51,6 +53,7 @@ class Row:
     efficiency: float
     final_val_acc: float
     accelerator: str
+    ideal_speedup: float = 0.0
 
 
 def _overlay_args(strategy: str, devices: int, accelerator: str) -> list[str]:
@@ -86,10 +89,15 @@ def _read_run(run_dir: Path) -> tuple[float, float, float, int]:
             values("val/acc")[-1], batch)
 
 
+def ideal_speedup(devices: int, shared_cores: bool) -> int:
+    """The best speedup `devices` devices could reach over one: `devices`, or 1 when they share the CPU cores."""
+    return 1 if shared_cores else devices
+
+
 def ideal_images_per_s(single: float, devices: list[int], shared_cores: bool) -> list[float]:
     """The best throughput (images/s) each device count could reach, from one device's `single` images/s:
     `single * d` for devices of their own, `single` when the "devices" share the same CPU cores."""
-    return [single * (1 if shared_cores else d) for d in devices]
+    return [single * ideal_speedup(d, shared_cores) for d in devices]
 
 
 def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = False) -> None:
@@ -107,9 +115,12 @@ def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = Fa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    header = ["strategy", "devices", "global batch", "sec/epoch", "images/s", "speedup vs single", "efficiency",
-              "final val acc"]
-    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = ["strategy", "devices", "global batch", "sec/epoch", "images/s", "speedup vs single",
+              "efficiency (speedup / ideal)", "final val acc"]
+    ideal = ("ideal speedup: 1x at every device count, because CPU \"devices\" share the same cores"
+             if shared_cores else "ideal speedup: N x for N devices")
+    lines = [f"# {title}", "", f"Efficiency is speedup over one device divided by the {ideal} (the plot's dashed "
+             "line).", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         lines.append(f"| {r.strategy} | {r.devices} | {r.global_batch} | {r.sec_per_epoch:.2f} "
                      f"| {r.images_per_s:,.0f} | {r.speedup_vs_single:.2f} | {r.efficiency:.2f} "
@@ -204,7 +215,8 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
     rows = []
     for (strategy, n), (sec, ips, acc, batch) in results.items():
         speedup = base[0] / sec if base else float("nan")
-        rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / n, acc, accelerator))
+        ideal = ideal_speedup(n, accelerator == "cpu")
+        rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / ideal, acc, accelerator, ideal))
     title = f"{model}: {', '.join(strategies)} on {accelerator}, {max_epochs} epoch(s) each"
     write_report(rows, report, title, shared_cores=accelerator == "cpu")
     print(f"report: {report}/scaling.md, scaling.csv, scaling.png; curves: tensorboard --logdir {report}")
