@@ -4,14 +4,17 @@ Each command runs as a user would run it (`python -m src.cli` in a subprocess, c
 line it prints is checked. The only third-party messages a run hides are those of `src.run.quiet`.
 """
 
+import logging
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
+from src.run import quiet
 from tests.helpers import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +41,24 @@ def _lines(process: subprocess.Popen) -> list[str]:
 
 def _noise(lines: list[str]) -> list[str]:
     return [line for line in lines if NOISE.search(line)]
+
+
+def test_the_filters_hide_only_their_own_message():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        quiet.apply()
+        for message in ("`isinstance(treespec, LeafSpec)` is deprecated, use ...", "another deprecation"):
+            warnings.warn_explicit(message, FutureWarning, "_pytree.py", 21,
+                                   module="lightning.pytorch.utilities._pytree")
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "mine.py", 1,
+                               module="mine")
+    assert [(str(w.message), w.filename) for w in caught] == [("another deprecation", "_pytree.py"),
+                                                              ("`isinstance(treespec, LeafSpec)` is deprecated",
+                                                               "mine.py")]
+    tip = logging.makeLogRecord({"msg": quiet.LITLOGGER_TIP + ", try installing litlogger", "levelno": logging.INFO})
+    other = logging.makeLogRecord({"msg": "GPU available: False, used: False", "levelno": logging.INFO})
+    logger = logging.getLogger(quiet.RANK_ZERO_LOGGERS[0])
+    assert not logger.filter(tip) and logger.filter(other)
 
 
 @pytest.mark.slow  # three CLI runs, one of them with 2 processes
