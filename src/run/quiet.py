@@ -2,8 +2,8 @@
 
 `src.cli` imports this module before Lightning builds anything, so every process that runs the CLI gets the
 same filters: the launching process, DDP's and our strategy's children (which re-run `python -m src.cli`) and
-spawned children (which import `src.cli` to unpickle the run). Each filter matches one message from one module,
-so any other warning from the same libraries still shows.
+spawned children (multiprocessing imports the parent's main module, `src.cli`, in each). Each filter matches
+one message from one module, so any other warning from the same libraries still shows.
 """
 
 import logging
