@@ -6,10 +6,10 @@ FMNIST_DEBUG=1) shows the full traceback instead.
 
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional
 
+import src.run.quiet  # noqa: F401  first: the few third-party messages every run hides (see the module)
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -17,7 +17,7 @@ import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce`
 from src.callbacks import EpochReport, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import ImageClassifier
-from src.run.checkpoints import check_checkpoint, resolve_last_checkpoint
+from src.run.checkpoints import check_checkpoint, keep_saved_folders, resolve_last_checkpoint
 from src.run.cleanup import register as register_process_group_cleanup
 from src.run.elastic import apply_launcher_layout, fit_split_weights, resolve_auto_checkpoint
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
@@ -100,7 +100,9 @@ class CLI(LightningCLI):
         if config.get("ckpt_path"):
             config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"],
                                                           _experiment_dir(logger) or self._experiment)
-            check_checkpoint(config["ckpt_path"], self.model)
+            checkpoint = check_checkpoint(config["ckpt_path"], self.model)
+            if self.subcommand != "fit" and checkpoint is not None:
+                keep_saved_folders(self.trainer.callbacks, checkpoint)
 
     before_fit = before_validate = before_test = _check
 
@@ -114,10 +116,6 @@ class CLI(LightningCLI):
         self._check()
         # predict is not a run: it saves no config.yaml (it would land in default_root_dir itself)
         self.trainer.callbacks = [c for c in self.trainer.callbacks if not isinstance(c, SaveConfigCallback)]
-        # the checkpoint callbacks stay (Lightning warns when a checkpoint's callback states find no callback), but
-        # there is nothing of theirs to restore in predict: their folder is not the training run's
-        warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning,
-                                module=r"lightning\.pytorch\.callbacks\.model_checkpoint")
         if not any(isinstance(c, PredictionWriter) for c in self.trainer.callbacks):
             self.trainer.callbacks.append(PredictionWriter())
         for writer in self.trainer.callbacks:
@@ -129,12 +127,14 @@ class CLI(LightningCLI):
         if not self.config.fit.get("test_after_fit"):
             return
         ckpt = self.trainer.checkpoint_callback
-        best = "best" if ckpt is not None and getattr(ckpt, "best_model_path", "") else None
+        # the path itself, not "best": LastCheckpoint is a second ModelCheckpoint, and Lightning warns that
+        # "best" then means the first one's
+        best = getattr(ckpt, "best_model_path", "") or None
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best, weights_only=True)
         reports = [c for c in self.trainer.callbacks if isinstance(c, EpochReport)]
         images = f", {reports[0].test_images:,} test images" if reports else ""
         if results and "test/acc" in results[0]:
-            rank_zero_info(f"test acc {results[0]['test/acc']:.4f} ({best or 'last'} weights{images}), "
+            rank_zero_info(f"test acc {results[0]['test/acc']:.4f} ({'best' if best else 'last'} weights{images}), "
                            f"run in {self.trainer.log_dir}")
 
 

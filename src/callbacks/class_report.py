@@ -72,35 +72,52 @@ class ClassReport(pl.Callback):
         plt.close(figure)
 
 
+# TensorBoard's image card is about 500 px wide and shows a wider image scaled down: the pictures are drawn
+# 500 px wide (5 inches at 100 dpi) so that their text keeps the size it is drawn at.
+CARD_INCHES, CARD_DPI = 5.0, 100
+
+
 def _confusion_figure(confmat: Tensor, names: list[str]):
-    """torchmetrics' own confusion-matrix plot, with class names."""
+    """The confusion matrix (rows true, columns predicted class) as a 500 px wide picture, each cell with its count."""
     import matplotlib
 
     matplotlib.use("Agg")
-    from torchmetrics.classification import MulticlassConfusionMatrix
+    import matplotlib.pyplot as plt
 
-    figure, ax = MulticlassConfusionMatrix(len(names)).plot(val=confmat, labels=names)
-    figure.set_size_inches(8, 8)
-    ax.tick_params(axis="x", labelrotation=45)
-    figure.tight_layout()
+    counts = confmat.cpu().numpy()
+    n = len(names)
+    figure, ax = plt.subplots(figsize=(CARD_INCHES, CARD_INCHES), dpi=CARD_DPI, layout="constrained")
+    ax.imshow(counts, cmap="Blues")
+    ax.set_xticks(range(n), names, rotation=45, ha="right", rotation_mode="anchor", fontsize=10)
+    ax.set_yticks(range(n), names, fontsize=10)
+    ax.set_xlabel("predicted", fontsize=11)
+    ax.set_ylabel("true", fontsize=11)
+    ax.tick_params(length=0, pad=2)
+    dark = counts.max() / 2 if counts.size else 0
+    for i in range(n):
+        for j in range(n):
+            ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=9 if counts[i, j] < 1000 else 7,
+                    color="white" if counts[i, j] > dark else "black")
     return figure
 
 
-def _grid(images: Tensor, pred: Tensor, target: Tensor, names: list[str], columns: int = 8):
-    """Images (n, 28, 28) uint8 (or normalised float) in a grid, each titled "true -> predicted"."""
+def _grid(images: Tensor, pred: Tensor, target: Tensor, names: list[str], columns: int = 4):
+    """Images (n, 28, 28) uint8 (or normalised float) in a 500 px wide grid, each titled "true -> predicted"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = max(1, -(-len(images) // columns))
-    figure, axes = plt.subplots(rows, columns, figsize=(columns * 1.6, rows * 1.8), squeeze=False)
+    width = CARD_INCHES / columns
+    figure, axes = plt.subplots(rows, columns, figsize=(CARD_INCHES, rows * width * 1.3), dpi=CARD_DPI,
+                                squeeze=False, layout="constrained")
+    figure.get_layout_engine().set(w_pad=0.02, h_pad=0.02, wspace=0.0, hspace=0.0)
     for k, ax in enumerate(axes.flat):
         ax.axis("off")
         if k < len(images):
             image = images[k].float()
             image = image if images.dtype == torch.uint8 else image * STD + MEAN
-            ax.imshow(image, cmap="gray")
-            ax.set_title(f"{names[int(target[k])]}\n-> {names[int(pred[k])]}", fontsize=7)
-    figure.tight_layout()
+            ax.imshow(image.numpy(), cmap="gray")
+            ax.set_title(f"{names[int(target[k])]}\n-> {names[int(pred[k])]}", fontsize=10, pad=2)
     return figure

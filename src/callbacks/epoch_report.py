@@ -31,9 +31,11 @@ class EpochReport(pl.Callback):
     batches run when an epoch was cut short by max_steps or limit_train_batches, or by a restart in it, which
     `RestartReport` names at the end).
 
-    Also logs the medians over the epochs so far, `hp/epoch_s_median` and `hp/images_per_s_median` (metrics of
-    the HPARAMS table), counts the images of the last test run over all processes (`test_images`) and keeps the
-    training seconds of every epoch of this run in `epoch_seconds` (list of float).
+    Every process logs rank 0's seconds and the images of all processes, so the logged values are the same on
+    every process. Also logs the medians over the epochs so far, `hp/epoch_s_median` and
+    `hp/images_per_s_median` (metrics of the HPARAMS table), counts the images of the last test run over all
+    processes (`test_images`) and keeps the training seconds of every epoch of this run in `epoch_seconds`
+    (list of float).
     """
 
     def __init__(self) -> None:
@@ -72,13 +74,16 @@ class EpochReport(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         seconds = max(time.perf_counter() - self._start - self._val_seconds, 1e-9)
-        throughput = _sum_over_processes(trainer, self._images) / seconds
+        images, seconds = _images_and_rank_zero_seconds(trainer, self._images, seconds)
+        throughput = images / seconds
         self.epoch_seconds.append(seconds)
         self.epoch_throughputs.append(throughput)
-        pl_module.log("time/epoch_s", seconds, on_epoch=True)
-        pl_module.log("throughput/images_per_s", throughput, on_epoch=True)
-        pl_module.log("hp/epoch_s_median", statistics.median(self.epoch_seconds), on_epoch=True)
-        pl_module.log("hp/images_per_s_median", statistics.median(self.epoch_throughputs), on_epoch=True)
+        # The same values on every process (rank 0's clock, every process's images), so the max over the
+        # processes that sync_dist takes returns them exactly as rank 0 measured them
+        for name, value in (("time/epoch_s", seconds), ("throughput/images_per_s", throughput),
+                            ("hp/epoch_s_median", statistics.median(self.epoch_seconds)),
+                            ("hp/images_per_s_median", statistics.median(self.epoch_throughputs))):
+            pl_module.log(name, value, on_epoch=True, sync_dist=True, reduce_fx="max")
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
         devices = layout_words(parallel_layout(trainer.strategy), torch.get_num_threads())
@@ -96,6 +101,20 @@ def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:
         return count
     return int(trainer.strategy.reduce(torch.tensor(float(count), device=trainer.strategy.root_device),
                                        reduce_op="sum").item())
+
+
+def _images_and_rank_zero_seconds(trainer: pl.Trainer, images: int, seconds: float) -> tuple[int, float]:
+    """This process's image count summed over every process, and rank 0's epoch seconds, on every process.
+
+    One collective for both: each process adds its images, and only rank 0 adds its seconds (float64, so the
+    sum is rank 0's value exactly).
+    """
+    if trainer.world_size == 1:
+        return images, seconds
+    mine = torch.tensor([float(images), seconds if trainer.is_global_zero else 0.0], dtype=torch.float64,
+                        device=trainer.strategy.root_device)
+    total = trainer.strategy.reduce(mine, reduce_op="sum")
+    return int(total[0].item()), float(total[1].item())
 
 
 def say(trainer: pl.Trainer, line: str) -> None:

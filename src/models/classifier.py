@@ -147,8 +147,9 @@ class ImageClassifier(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         # compute() merges the processes' states under DDP; the split strategy merges its replicas' each step
         if self.train_acc.update_count:
-            self.log("train/acc", self.train_acc.compute())
-            self.log("train/loss_epoch", self.train_loss.compute(), prog_bar=True)
+            # compute() gives every process the same value, which the max over processes keeps exactly
+            self.log("train/acc", self.train_acc.compute(), sync_dist=True, reduce_fx="max")
+            self.log("train/loss_epoch", self.train_loss.compute(), prog_bar=True, sync_dist=True, reduce_fx="max")
         self.train_acc.reset()
         self.train_loss.reset()
 

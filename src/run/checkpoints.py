@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -144,8 +145,11 @@ def load_checkpoint_safely(path: str | Path) -> dict:
                          f"{err}); it may be truncated or not a checkpoint") from err
 
 
-def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
+def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> dict | None:
     """A checkpoint given with --ckpt_path must be a local file, load safely, and fit the configured model.
+
+    Returns:
+        The checkpoint dict (tensors on the CPU), or None for no file (None, "best", "last", "hpc", "registry").
 
     Raises:
         ValueError: A URL (remote checkpoints are refused: Lightning would unpickle them unrestricted), an
@@ -155,7 +159,7 @@ def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
         FileNotFoundError: No such file.
     """
     if ckpt_path in (None, "best", "last", "hpc", "registry"):
-        return
+        return None
     if "://" in str(ckpt_path):
         raise ValueError(f"--ckpt_path {ckpt_path}: checkpoints are loaded from local files only; download it first "
                          "and give the file's path")
@@ -180,3 +184,19 @@ def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> None:
             f"are not in it (e.g. {', '.join(missing[:2]) or '-'}) and {len(unexpected)} of its tensors are not in "
             f"the model (e.g. {', '.join(unexpected[:2]) or '-'}); it was saved from another network (use the "
             "config.yaml of the run that saved it)")
+    return checkpoint
+
+
+def keep_saved_folders(callbacks: list, checkpoint: dict) -> None:
+    """Give each `ModelCheckpoint` without a folder of its own the folder it had when `checkpoint` was saved.
+
+    For a run that reads a checkpoint but trains nothing (validate, test, predict): the callbacks save nothing
+    there, and their saved state (best score, top-k paths) loads as it was, without Lightning's warning that the
+    folder changed from the training run's to this run's.
+    """
+    states = checkpoint.get("callbacks") or {}
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+            saved = (states.get(callback.state_key) or {}).get("dirpath")
+            if saved:
+                callback.dirpath = saved

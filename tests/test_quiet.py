@@ -1,0 +1,87 @@
+"""A normal run prints no warnings: fit on one device, fit with ours across 2 processes, predict.
+
+Each command runs as a user would run it (`python -m src.cli` in a subprocess, children included), and every
+line it prints is checked. The only third-party messages a run hides are those of `src.run.quiet`.
+"""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from src.run import quiet
+from tests.helpers import cli_args
+
+ROOT = Path(__file__).resolve().parent.parent
+LENET = ["--config", "configs/lenet.yaml"]
+# A warning as Python prints it ("UserWarning: ...") or as Lightning prints its own ("path.py:123: message"),
+# and the litlogger tip (an info line)
+NOISE = re.compile(r"warn|\.py:\d+: |litlogger|💡", re.IGNORECASE)
+
+
+def _start(*args: str) -> subprocess.Popen:
+    """Start `python -m src.cli ARGS` with the warning filters a user gets (not the test runner's)."""
+    env = {**os.environ, "PYTHONWARNINGS": ""}
+    return subprocess.Popen([sys.executable, "-m", "src.cli", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _lines(process: subprocess.Popen) -> list[str]:
+    """The lines a started run printed (stdout and stderr); the run must succeed."""
+    out, _ = process.communicate(timeout=120)
+    lines = out.splitlines()
+    assert process.returncode == 0, "\n".join(lines[-30:])
+    return lines
+
+
+def _noise(lines: list[str]) -> list[str]:
+    return [line for line in lines if NOISE.search(line)]
+
+
+def test_the_filters_hide_only_their_own_message():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        quiet.apply()
+        for message in ("`isinstance(treespec, LeafSpec)` is deprecated, use ...", "another deprecation"):
+            warnings.warn_explicit(message, FutureWarning, "_pytree.py", 21,
+                                   module="lightning.pytorch.utilities._pytree")
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "mine.py", 1,
+                               module="mine")
+    assert [(str(w.message), w.filename) for w in caught] == [("another deprecation", "_pytree.py"),
+                                                              ("`isinstance(treespec, LeafSpec)` is deprecated",
+                                                               "mine.py")]
+    tip = logging.makeLogRecord({"msg": quiet.LITLOGGER_TIP + ", try installing litlogger", "levelno": logging.INFO})
+    other = logging.makeLogRecord({"msg": "GPU available: False, used: False", "levelno": logging.INFO})
+    logger = logging.getLogger(quiet.RANK_ZERO_LOGGERS[0])
+    assert not logger.filter(tip) and logger.filter(other)
+
+
+@pytest.mark.slow  # three CLI runs, one of them with 2 processes
+def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
+    # 2 training batches and a logging interval within them (Lightning warns about a longer one)
+    short = [*cli_args.data_args(tiny_data_dir),
+             *cli_args.trainer_args(tmp_path / "logs", train_batches=2, eval_batches=1),
+             "--trainer.log_every_n_steps", "1"]
+    # the 2-process fit runs beside the other two, which run one after the other
+    processes = _start("fit", *LENET, "--config", "configs/strategy/split_allreduce_processes.yaml", *short,
+                       "--test_after_fit", "false")
+    try:
+        single = _lines(_start("fit", *LENET, *short))  # with the test of the best checkpoint
+        ckpt = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt"
+        predict = _lines(_start("predict", *LENET, *short, "--ckpt_path", str(ckpt)))
+    except BaseException:
+        processes.kill()
+        processes.communicate()
+        raise
+    processes = _lines(processes)
+
+    assert any(line.startswith("epoch 0: ") for line in single) and any("test acc" in line for line in single)
+    assert any(line.startswith("epoch 0: ") and "2 processes" in line for line in processes)
+    assert any(line.startswith("predictions: ") for line in predict)
+    for lines in (single, processes, predict):
+        assert not _noise(lines), "\n".join(lines)
