@@ -73,7 +73,8 @@ def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
     try:
         single = _lines(_start("fit", *LENET, *short))  # with the test of the best checkpoint
         ckpt = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt"
-        predict = _lines(_start("predict", *LENET, *short, "--ckpt_path", str(ckpt)))
+        predict = _lines(_start("predict", *LENET, *short, "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
+                                str(tmp_path / "logs")))
     except BaseException:
         processes.kill()
         processes.communicate()
