@@ -121,8 +121,9 @@ def _layout(name: str) -> dict:
     "single", "ours-1x2", pytest.param("ours-2x1-syncbn", marks=pytest.mark.slow)])
 def test_resnet18_quick_try_trains(tiny_data_dir, tmp_path, layout):
     """configs/resnet18.yaml's recipe (lr 0.1 for its global batch 256, 2 epochs of warmup, cosine over 30 epochs,
-    augmentation) at global batch 32 for 20 steps in float32: every loss is finite. With the former schedule (1 step
-    of warmup, then a cosine over 19) at lr 0.1, the loss turned NaN within 10 steps."""
+    augmentation) at global batch 32 for 20 steps in float32: every loss is finite. Its warmup now spans the 20
+    steps, towards lr 0.1 x 32 / 256; with the former 1 step of warmup at an unscaled lr 0.1, the loss grew to the
+    thousands within 6 steps and turned NaN (at step 7 on one device)."""
     config = _config("resnet18")
     model_kwargs = {**config["model"]["init_args"], "nonfinite_loss": "ignore"}  # record every loss, NaN or not
     kwargs = _layout(layout)
