@@ -104,6 +104,7 @@ def app(channels_last: bool, compile: bool = False) -> float:
                 "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--test_after_fit", "false",
                 "--trainer.logger.init_args.save_dir", "logs/bench", "--trainer.enable_progress_bar", "false",
                 "--seed_everything", "0", "--data.batch_size", str(BATCH), m + "lr", str(LR), m + "momentum", "0",
+                m + "base_batch_size", "null",  # LR as given, as in the chapter's loop (not scaled from batch 64)
                 m + "nesterov", "false", m + "weight_decay", "0", m + "scheduler", "constant",
                 m + "warmup_epochs", "0", m + "label_smoothing", "0",
                 m + "channels_last", str(channels_last).lower(), m + "compile", str(compile).lower()])

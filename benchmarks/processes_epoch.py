@@ -43,6 +43,7 @@ def trial(layout: str, epochs: int, out: Path) -> float:
     name = layout.replace(" ", "_")
     cmd = [sys.executable, "-m", "src.cli", "fit", "--config", "configs/lenet.yaml", *LAYOUTS[layout],
            "--data.batch_size", "256", "--model.init_args.lr", "0.1", "--trainer.max_epochs", str(epochs),
+           "--model.init_args.base_batch_size", "null",  # lr 0.1 as given (not scaled from the config's batch 64)
            "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
            "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name,
            "--trainer.logger.init_args.name_by_run", "false"]

@@ -43,8 +43,10 @@ RECIPES = {
 def run_recipe(overrides: list[str], accelerator: str, logs: str) -> tuple[float, float]:
     """Train one recipe; returns (test accuracy of the best val checkpoint, seconds)."""
     tic = time.perf_counter()
+    # base_batch_size null: each recipe's lr is the lr it trains at, whatever its batch (not scaled from 64)
     cli = main(["fit", "--config", "configs/lenet.yaml", "--trainer.accelerator", accelerator,
-                "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", logs, *overrides])
+                "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", logs,
+                "--model.init_args.base_batch_size", "null", *overrides])
     return float(cli.trainer.callback_metrics["test/acc"]), time.perf_counter() - tic
 
 

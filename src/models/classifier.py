@@ -26,7 +26,9 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: L2 penalty (decoupled for adamw).
         scheduler: "constant" (d2l.ai's), "cosine" (cosine decay to 0, per step) or "onecycle" (torch's
             OneCycleLR, per step). "constant" and "cosine" start with `warmup_epochs` of linear warmup.
-        warmup_epochs: Epochs of linear warmup from lr / warmup_steps to lr (may be fractional).
+        warmup_epochs: Epochs of linear warmup from lr / warmup_steps to lr (may be fractional): warmup_steps =
+            int(warmup_epochs x optimizer steps per epoch), at most the run's total steps, so a run cut short by
+            `trainer.max_steps` keeps its warmup. "cosine" then decays over the steps left.
         base_batch_size: Linear scaling rule (Goyal et al. 2017, and d2l.ai's 256 -> lr 0.1, 512 -> lr
             0.2): when set, the lr used is `lr * global_batch / base_batch_size`, where the global batch is
             the DataModule's batch_size times accumulate_grad_batches. Logged as the hparam `lr_scaled`.
@@ -202,6 +204,23 @@ class ImageClassifier(pl.LightningModule):
             return hp.lr
         return hp.lr * dm.batch_size * self.trainer.accumulate_grad_batches / hp.base_batch_size
 
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one training epoch: ceil(training batches / accumulate_grad_batches), counted as
+        Lightning's `Trainer.estimated_stepping_batches` counts them (`limit_train_batches` applies, `max_steps`
+        does not).
+
+        Raises:
+            ValueError: The training loader has no length (an iterable dataset), so an epoch has no known size.
+        """
+        trainer = self.trainer
+        if trainer.train_dataloader is None:
+            # as estimated_stepping_batches does, which skips it when max_epochs is -1
+            trainer.fit_loop.setup_data()
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            raise ValueError("model.warmup_epochs needs a training loader with a length, to know the steps in an epoch")
+        return math.ceil(batches / trainer.accumulate_grad_batches)
+
     def setup(self, stage: str) -> None:
         if self.hparams.nonfinite_loss == "skip" and self.trainer.world_size > 1:
             raise ValueError("model.nonfinite_loss: skip is not supported with several processes (DDP): every rank "
@@ -229,7 +248,8 @@ class ImageClassifier(pl.LightningModule):
         if hp.scheduler == "onecycle":
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total)
         else:
-            warmup = int(hp.warmup_epochs * total / max(1, self.trainer.max_epochs or 1))
+            # real epochs, capped at the run: a run cut short by max_steps keeps its warmup (and ends within it)
+            warmup = min(total, int(hp.warmup_epochs * self.steps_per_epoch())) if hp.warmup_epochs else 0
             sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_then(warmup, total, cosine=hp.scheduler == "cosine"))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
