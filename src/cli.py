@@ -14,7 +14,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce` before any Trainer is built
-from src.callbacks import EpochReport, PredictionWriter, ProcessGroupCleanup, RestartReport
+from src.callbacks import EpochReport, HParamsMetrics, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import ImageClassifier
 from src.run.checkpoints import check_checkpoint, keep_saved_folders, resolve_last_checkpoint
@@ -23,6 +23,7 @@ from src.run.elastic import apply_launcher_layout, fit_split_weights, resolve_au
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.run.launch_checks import check_before_run
 from src.run.lightning_compat import give_lost_rank_reports_time
+from src.run.hparams_table import length_words
 from src.run.logger import RunLogger, run_hparams, run_tag
 from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads
@@ -64,7 +65,7 @@ class CLI(LightningCLI):
     def _check(self) -> None:
         fit_split_weights(self.trainer.strategy)  # a restart with another number of replicas: equal shares
         check_before_run(self.trainer, self.datamodule)
-        for callback in (ProcessGroupCleanup, RestartReport):  # missing from the config.yaml of older runs
+        for callback in (ProcessGroupCleanup, RestartReport, HParamsMetrics):  # missing from older config.yaml
             if not any(isinstance(c, callback) for c in self.trainer.callbacks):
                 self.trainer.callbacks.append(callback())  # ProcessGroupCleanup reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
@@ -103,6 +104,8 @@ class CLI(LightningCLI):
             checkpoint = check_checkpoint(config["ckpt_path"], self.model)
             if self.subcommand != "fit" and checkpoint is not None:
                 keep_saved_folders(self.trainer.callbacks, checkpoint)
+                if isinstance(logger, RunLogger) and isinstance(checkpoint.get("global_step"), int):
+                    logger.describe_length(length_words(checkpoint["global_step"]))  # what the checkpoint trained
 
     before_fit = before_validate = before_test = _check
 

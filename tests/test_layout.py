@@ -41,6 +41,11 @@ def test_layout_of_every_strategy_this_tool_runs():
                                           devices=2).strategy)
     assert (two_by_two.processes, two_by_two.total_replicas, two_by_two.allreduce) == (2, 4, "hierarchical")
     assert two_by_two.describe() == "replicas (2 processes x 2; rank 0's replicas first)"
+    # one way to name a layout (epoch line, HPARAMS): DDP with 2 processes and ours with 2 replicas no longer read alike
+    assert [layout.words() for layout in (single, ours, ddp)] == [
+        "1 process x 1 replica on cpu", "1 process x 2 replicas on cpu", "2 processes x 1 replica on cpu"]
+    assert two_by_two.words(threads=1) == "2 processes x 2 replicas on cpu (1 thread each)"
+    assert single.words(threads=2) == "1 process x 1 replica on cpu (2 threads)"
 
 
 def test_a_strategy_this_tool_does_not_run_is_named_not_defaulted():
@@ -81,7 +86,7 @@ def test_hparams_name_the_exchange_in_the_vocabulary():
     trainer = _trainer(SplitAllreduceStrategy(start_method="spawn", devices=["cpu", "cpu"]), devices=2)
     hparams = run_hparams(trainer, 64, 42)
     assert hparams["run/allreduce"] == "hierarchical" and hparams["run/backend"] == "gloo"
-    assert hparams["run/world_size"] == 2 and hparams["run/replicas_per_process"] == 2
+    assert hparams["run/processes"] == 2 and hparams["run/replicas_per_process"] == 2 and hparams["run/device"] == "cpu"
     assert hparams["run/per_replica_batch"] == 16
     assert run_hparams(_trainer(DDPStrategy(start_method="spawn"), devices=2), 64, 42)["run/allreduce"] == "torch"
 

@@ -14,7 +14,7 @@ SPLIT = ["--config", "configs/strategy/split_allreduce.yaml"]
 
 
 def _hparams(run_dir) -> tuple[dict, list[str], EventAccumulator]:
-    """(hyperparameters of the run's session, names of its HPARAMS metrics, its events)."""
+    """(hyperparameters of the run's session, names of its HPARAMS metrics in order, its events)."""
     ea = EventAccumulator(str(run_dir))
     ea.Reload()
     hparams, metrics = {}, []
@@ -22,29 +22,51 @@ def _hparams(run_dir) -> tuple[dict, list[str], EventAccumulator]:
         data = plugin_data_pb2.HParamsPluginData.FromString(content)
         if data.HasField("session_start_info"):
             for key, value in data.session_start_info.hparams.items():
-                hparams[key] = value.string_value or value.number_value or value.bool_value
+                hparams[key] = getattr(value, value.WhichOneof("kind"))
         if data.HasField("experiment"):
             metrics += [m.name.tag for m in data.experiment.metric_infos]
     return hparams, metrics, ea
 
 
+def _table(run_dir) -> tuple[list[str], str]:
+    """(the hyperparameters TensorBoard ticks with no clicks, the row's name), computed as TensorBoard 2.21 does:
+    the run's experiment definition sorted by (not differs, name), the first five; the session's group name."""
+    ea = EventAccumulator(str(run_dir))
+    ea.Reload()
+    content = ea.PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    infos = sorted(experiment.hparam_infos, key=lambda info: (not info.differs, info.name))
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    return [info.name for info in infos[:5]], start.group_name
+
+
 def test_runs_are_named_by_strategy_and_their_hparams_compare(fast_args, tmp_path):
-    assert run(["fit", *LENET, *fast_args]) == 0
+    # max_steps cuts the first run inside its epoch of 3 batches: it still ends with a validation (ValidateAtMaxSteps)
+    assert run(["fit", *LENET, *fast_args, "--trainer.max_steps", "2"]) == 0
     assert run(["fit", *LENET, *SPLIT, *fast_args]) == 0
     logs = tmp_path / "logs" / "lenet"
     assert sorted(p.name for p in logs.iterdir()) == ["single-1x1-cpu", "split_allreduce-1x2-cpu"]
-    runs = (("single-1x1-cpu", "single", 1), ("split_allreduce-1x2-cpu", "split_allreduce", 2))
-    for name, strategy, replicas in runs:
+    runs = (("single-1x1-cpu", "single", 1, "2 steps, 0.67 epochs"),
+            ("split_allreduce-1x2-cpu", "split_allreduce", 2, "3 steps, 1 epoch"))
+    for name, strategy, replicas, length in runs:
         hparams, metrics, ea = _hparams(logs / name / "version_0")
         assert hparams["run/strategy"] == strategy and hparams["run/replicas_per_process"] == replicas
-        assert hparams["run/world_size"] == 1 and hparams["run/global_batch"] == 64
+        assert hparams["run/processes"] == 1 and hparams["run/global_batch"] == 64 and hparams["run/device"] == "cpu"
         assert hparams["run/seed"] == 42 and "run/torch" in hparams and "run/precision" in hparams
+        assert hparams["run/length"] == length  # written as the run ends: what it trained
+        assert hparams["augment"] is False and hparams["nesterov"] is True  # shown as false/true, not 0/1
         assert not any(key.startswith("_") for key in hparams)  # no LightningCLI internals
-        assert set(metrics) == {"hp/val_acc_best", "hp/val_acc_final", "hp/test_acc", "hp/epoch_s_median",
-                                "hp/images_per_s_median"}
+        assert not {"data_dir", "download", "predict_dir"} & set(hparams)  # they only locate files
+        # accuracy, then time, ticked in this order; the five hyperparameters shown name what tells runs apart
+        assert metrics == ["hp/val_acc_best", "hp/test_acc", "hp/val_acc_final", "hp/epoch_s_median",
+                           "hp/images_per_s_median"]
+        shown, row = _table(logs / name / "version_0")
+        assert shown == ["run/global_batch", "run/length", "run/processes", "run/replicas_per_process",
+                         "run/strategy"]
+        assert row.startswith(f"v0 lenet/{name} (")  # the version first: the name column is narrow
         tags = set(ea.Tags()["scalars"])
         assert "hp_metric" not in tags
-        for metric in metrics:  # every metric of the table has a real value (test_after_fit ran the test set)
+        for metric in metrics:  # every metric has a real value (validated at the end; test_after_fit tested)
             assert 0.0 <= ea.Scalars(metric)[-1].value and ea.Scalars(metric)[-1].value != -1, metric
     assert _hparams(logs / "split_allreduce-1x2-cpu" / "version_0")[0]["run/allreduce"] == "ring"
 
@@ -79,6 +101,9 @@ def test_evaluation_runs_are_kept_apart_and_need_a_checkpoint(fast_args, tmp_pat
     assert 0.0 <= cli.trainer.callback_metrics["test/acc"].item() <= 1.0
     logs = tmp_path / "logs" / "lenet"
     assert (logs / "test" / "single-1x1-cpu" / "version_0").is_dir()
+    hparams, _, _ = _hparams(logs / "test" / "single-1x1-cpu" / "version_0")  # same columns as a fit's row
+    assert hparams["run/length"] == "3 steps" and hparams["run/strategy"] == "single"  # the checkpoint's training
+    assert _table(logs / "test" / "single-1x1-cpu" / "version_0")[0][-1] == "run/strategy"
     assert sorted(p.name for p in logs.iterdir()) == ["split_allreduce-1x2-cpu", "test"]
 
 

@@ -13,6 +13,7 @@ from src.callbacks.process_group_cleanup import ProcessGroupCleanup
 from src.callbacks.restart_report import RestartReport
 from src.callbacks.step_timeline import StepTimeline
 from src.callbacks.strategy_metrics import StrategyMetrics
+from src.callbacks.validate_at_max_steps import ValidateAtMaxSteps
 
 __all__ = ["ClassReport", "EpochReport", "HParamsMetrics", "LastCheckpoint", "PredictionWriter", "ProcessGroupCleanup",
-           "RestartReport", "StepTimeline", "StrategyMetrics"]
+           "RestartReport", "StepTimeline", "StrategyMetrics", "ValidateAtMaxSteps"]

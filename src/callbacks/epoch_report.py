@@ -7,29 +7,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from src.strategies.layout import ParallelLayout, parallel_layout
-
-
-
-def layout_words(layout: ParallelLayout, threads: int | None = None) -> str:
-    """Where the replicas run, for the epoch line: "[cpu]", "[cpu, cpu]" (this node's devices: DDP's processes or
-    our replicas of one process), "2 processes x [cpu, cpu]" (ours, each process's replicas); with `threads`,
-    the intra-op threads too: "[cpu] (2 threads)", "[cpu, cpu] (1 thread each)"."""
-    devices = f"[{', '.join(str(d) for d in layout.listed_devices)}]"
-    if layout.strategy == "split_allreduce" and layout.processes > 1:
-        devices = f"{layout.processes} processes x {devices}"
-    if threads is None:
-        return devices
-    each = " each" if layout.processes > 1 else ""
-    return f"{devices} ({threads} thread{'s' if threads > 1 else ''}{each})"
+from src.strategies.layout import parallel_layout
 
 
 class EpochReport(pl.Callback):
     """Logs `time/epoch_s` (training seconds, validation excluded, as the d2l.ai chapters count it) and
     `throughput/images_per_s` (training images per second over all processes), then prints
-    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s on [cpu] (2 threads)` on rank 0 (with the number of
-    batches run when an epoch was cut short by max_steps or limit_train_batches, or by a restart in it, which
-    `RestartReport` names at the end).
+    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s, 1 process x 1 replica on cpu (2 threads)` on rank 0
+    (the layout as `ParallelLayout.words` names it; with the number of batches run when an epoch was cut short by
+    max_steps or limit_train_batches, or by a restart in it, which `RestartReport` names at the end).
 
     Every process logs rank 0's seconds and the images of all processes, so the logged values are the same on
     every process. Also logs the medians over the epochs so far, `hp/epoch_s_median` and
@@ -86,13 +72,13 @@ class EpochReport(pl.Callback):
             pl_module.log(name, value, on_epoch=True, sync_dist=True, reduce_fx="max")
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
-        devices = layout_words(parallel_layout(trainer.strategy), torch.get_num_threads())
+        layout = parallel_layout(trainer.strategy).words(torch.get_num_threads())
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
-        # callbacks with epoch_words (RestartReport: " (restart 1 at step 350, 10 steps redone)") add theirs
+        # callbacks with epoch_words (RestartReport: ", restart 1 at step 350, 10 steps redone") add theirs
         words = "".join(c.epoch_words(trainer.current_epoch) for c in trainer.callbacks if hasattr(c, "epoch_words"))
         say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
-                     f"{throughput:,.0f} images/s on {devices}{words}")
+                     f"{throughput:,.0f} images/s, {layout}{words}")
 
 
 def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:

@@ -1,11 +1,18 @@
-"""The accuracy metrics of TensorBoard's HPARAMS table."""
+"""The accuracy metrics and the run length of TensorBoard's HPARAMS table."""
 
 import lightning.pytorch as pl
+
+from src.run.hparams_table import length_words
+from src.run.logger import RunLogger
 
 
 class HParamsMetrics(pl.Callback):
     """Logs the accuracy metrics of the HPARAMS table: `hp/val_acc_best` and `hp/val_acc_final` after every
-    validation (not the sanity check), `hp/test_acc` after every test; read from `val/acc` and `test/acc`."""
+    validation (not the sanity check), `hp/test_acc` after every test; read from `val/acc` and `test/acc`.
+
+    When training ends, or stops on an error, it gives the `RunLogger` the run length actually trained (optimizer
+    steps, and epochs as steps over the global batches of an epoch) for the row the logger writes as it closes.
+    """
 
     def __init__(self) -> None:
         self.best_val_acc = float("-inf")
@@ -21,6 +28,21 @@ class HParamsMetrics(pl.Callback):
         acc = trainer.callback_metrics.get("test/acc")
         if acc is not None:
             self._log(trainer, {"hp/test_acc": float(acc)})
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # Lightning calls this before the loggers' finalize
+            self._describe_length(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.training:
+            self._describe_length(trainer)
+
+    @staticmethod
+    def _describe_length(trainer: pl.Trainer) -> None:
+        words = length_words(trainer.global_step, trainer.num_training_batches)
+        for logger in trainer.loggers:
+            if isinstance(logger, RunLogger):
+                logger.describe_length(words)
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

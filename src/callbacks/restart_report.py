@@ -75,10 +75,10 @@ class RestartReport(pl.Callback):
         self._close()
 
     def epoch_words(self, epoch: int) -> str:
-        """" (restart 1 at step 350, 10 steps redone)" for the epoch line of the epoch this attempt resumed in."""
+        """, restart 1 at step 350, 10 steps redone" for the epoch line of the epoch this attempt resumed in."""
         if self.resumed_at is None or epoch != self._epoch:
             return ""
-        return f" (restart {self.restarts} at step {self.resumed_at}{self._redone()})"
+        return f", restart {self.restarts} at step {self.resumed_at}{self._redone()}"
 
     def _was(self) -> str:
         before = self._saved.get("processes")

@@ -8,7 +8,9 @@ list of training runs stays a list of training runs.
 """
 
 import math
+import os
 from argparse import Namespace
+from pathlib import Path
 from typing import Any
 
 import lightning
@@ -18,11 +20,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from src.run.hparams_table import METRICS as HP_METRICS
+from src.run.hparams_table import experiment_summary, session_summaries
 from src.run.lightning_compat import file_writer, set_logger_version
 from src.strategies.layout import parallel_layout
 
-# The metrics of the HPARAMS table, logged by src.callbacks.HParamsMetrics and EpochReport
-HP_METRICS = ("hp/val_acc_best", "hp/val_acc_final", "hp/test_acc", "hp/epoch_s_median", "hp/images_per_s_median")
+__all__ = ["HP_METRICS", "RunLogger", "run_hparams", "run_tag"]
 
 
 def run_tag(trainer: "pl.Trainer") -> str:
@@ -32,8 +35,9 @@ def run_tag(trainer: "pl.Trainer") -> str:
 
 
 def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | None) -> dict[str, Any]:
-    """What tells runs apart in the HPARAMS table: strategy, layout, batch, precision, allreduce, intra-op threads
-    per process (`src.run.threads`), versions.
+    """What tells runs apart in the HPARAMS table (`src.run.hparams_table`): strategy, layout (P processes x K
+    replicas on a device type, named as the epoch line names it), batch, precision, allreduce, intra-op threads per
+    process (`src.run.threads`), versions. The run length is added when the run ends.
 
     `run/allreduce` names the whole job's gradient exchange in the vocabulary of
     `src.strategies.comm.vocabulary.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
@@ -42,17 +46,17 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
     weights = layout.split_weights
     return {
         "run/strategy": layout.strategy,
-        "run/replica_devices": ",".join(str(d) for d in layout.listed_devices),
-        "run/world_size": layout.processes,
+        "run/processes": layout.processes,
         "run/replicas_per_process": layout.replicas_per_process,
-        "run/global_batch": global_batch if global_batch is not None else "unknown",
-        "run/per_replica_batch": round(global_batch / layout.total_replicas, 2) if global_batch else "unknown",
+        "run/device": layout.device_types,
+        "run/global_batch": global_batch,
+        "run/per_replica_batch": round(global_batch / layout.total_replicas, 2) if global_batch else None,
         "run/precision": str(trainer.precision),
         "run/allreduce": layout.allreduce,
         "run/backend": layout.backend or "none",
         "run/threads": torch.get_num_threads(),
         "run/split_weights": "equal" if weights is None else str(weights),
-        "run/seed": seed if seed is not None else "unset",
+        "run/seed": seed,
         "run/torch": torch.__version__,
         "run/lightning": lightning.__version__,
     }
@@ -61,9 +65,11 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
 class RunLogger(TensorBoardLogger):
     """Lightning's TensorBoardLogger, with runs named by strategy and layout and an HPARAMS table that compares.
 
-    The CLI calls `describe_run` before any subcommand starts. Hyperparameters are written once per run (a
-    `test` after `fit` reuses them), without LightningCLI's internal keys (those starting with "_"), and the
-    table's metrics are `HP_METRICS`, logged as real values: there is no placeholder `hp_metric` of -1.
+    The CLI calls `describe_run` before any subcommand starts. hparams.yaml is saved when the run starts, without
+    LightningCLI's internal keys (those starting with "_"). The HPARAMS row (`src.run.hparams_table`) is written
+    once, when the run ends (`finalize`), so it holds the run length actually trained; a run killed outright, or
+    one that fails while torchrun may still restart it into the same folder, gets its row from the attempt that
+    ends. The table's metrics are `HP_METRICS`, logged as real values: there is no placeholder `hp_metric` of -1.
 
     Args:
         save_dir: Folder of all runs. The CLI fills it from `trainer.default_root_dir` when it is not given
@@ -81,11 +87,16 @@ class RunLogger(TensorBoardLogger):
         self.experiment_name, self.name_by_run, self.given_version = name, name_by_run, version
         self.run_name = ""  # "<strategy>-<P>x<K>-<device>", or "<stage>/<...>" for validate, test, predict
         self.run_hparams: dict[str, Any] = {}
-        self._hparams_written = False
+        self._params: dict[str, Any] | None = None  # the flattened hyperparameters, once Lightning has logged them
+        self._row_written = False
 
     def describe_run(self, run_name: str, hparams: dict[str, Any]) -> None:
         """Set the run's folder name (below the experiment) and the hyperparameters that describe it."""
         self.run_name, self.run_hparams = run_name, dict(hparams)
+
+    def describe_length(self, words: str) -> None:
+        """Set the HPARAMS run length, e.g. "150 steps, 0.18 epochs" (`src.run.hparams_table.length_words`)."""
+        self.run_hparams["run/length"] = words
 
     def continue_run(self, version: str, run_name: str | None = None) -> None:
         """Write to `<experiment>/<run name>/<version>`: a restarted job goes on in the folder it started in.
@@ -110,19 +121,45 @@ class RunLogger(TensorBoardLogger):
     @override
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace, metrics: Any = None, step: int | None = None) -> None:
-        """Save hparams.yaml as Lightning does, and write the HPARAMS summary once, with `HP_METRICS`."""
+        """Save hparams.yaml as Lightning does and keep the values for the HPARAMS row (written by `finalize`)."""
         params = vars(params) if isinstance(params, Namespace) else dict(params)
         params = {k: v for k, v in params.items() if not str(k).startswith("_")}
         super().log_hyperparams(params, metrics=None, step=step)  # hparams.yaml; no summary (no metrics)
-        if self._hparams_written:
-            return
-        self._hparams_written = True
-        from torch.utils.tensorboard.summary import hparams
+        self._params = _flatten(params)
 
-        flat = {**_flatten(params), **self.run_hparams}
-        writer = file_writer(self.experiment)
-        for summary in hparams(flat, {m: 0.0 for m in HP_METRICS}):
-            writer.add_summary(summary, step)
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Write the run's HPARAMS row once, as the first run of this logger ends (a test after fit adds only its
+        metric), then close the files as Lightning does.
+
+        Args:
+            status: Lightning's "success" or "failed".
+        """
+        if self._params is not None and not self._row_written and not _may_restart(status):
+            self._row_written = True
+            writer = file_writer(self.experiment)
+            values = {**self._params, **self.run_hparams, "run/model": self.experiment_name}
+            for summary in (experiment_summary(), *session_summaries(values, self.row_name, status == "success")):
+                writer.add_summary(summary)
+        super().finalize(status)
+
+    @property
+    def row_name(self) -> str:
+        """The run's name in the HPARAMS table, version first so that it shows in the narrow name column, e.g.
+        "v0 lenet/ddp-2x1-cpu (/home/me/logs)"; the folder of all runs keeps it unique."""
+        version = self.version if isinstance(self.version, str) else f"version_{self.version}"
+        short = "v" + version.removeprefix("version_") if version.startswith("version_") else version
+        return f"{short} {self.name} ({Path(self.save_dir).resolve()})"
+
+
+def _may_restart(status: str) -> bool:
+    """A failed attempt that torchrun may still restart into the same run folder: TensorBoard keeps the first row
+    written in a folder, so the attempt that ends writes it instead."""
+    from src.run.elastic import elastic_launch, restart_count  # it imports this module
+
+    return status != "success" and elastic_launch() and restart_count() < int(
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
 
 
 def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -63,10 +63,20 @@ class ParallelLayout:
         return self._shares() if self._shares is not None else None
 
     @property
-    def listed_devices(self) -> tuple[torch.device, ...]:
-        """The devices a run names (epoch line, HPARAMS): each process's replicas under split_allreduce, this
-        node's processes' devices under DDP and single."""
-        return self.replica_devices if self.strategy == "split_allreduce" else self.process_devices
+    def device_types(self) -> str:
+        """The device types of this process's replicas in order of first use, e.g. "cpu", "cuda" or "cuda+cpu"."""
+        return "+".join(dict.fromkeys(d.type for d in self.replica_devices))
+
+    def words(self, threads: int | None = None) -> str:
+        """The layout as the epoch line and HPARAMS name it, the same for every strategy: "1 process x 1 replica on
+        cpu" (one device), "1 process x 2 replicas on cpu" (ours in one process), "2 processes x 1 replica on cpu"
+        (DDP, or ours across processes); with `threads`, the intra-op threads of each process too: "... on cpu
+        (2 threads)", "... on cpu (1 thread each)"."""
+        p, k = self.processes, self.replicas_per_process
+        text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} on {self.device_types}"
+        if threads is None:
+            return text
+        return f"{text} ({threads} thread{'s' if threads > 1 else ''}{' each' if p > 1 else ''})"
 
     def describe(self) -> str:
         """The replicas in words, e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
