@@ -127,9 +127,15 @@ def test_resnet18_quick_try_trains(tiny_data_dir, tmp_path, layout):
     config = _config("resnet18")
     model_kwargs = {**config["model"]["init_args"], "nonfinite_loss": "ignore"}  # record every loss, NaN or not
     kwargs = _layout(layout)
-    fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=20, batch_size=32, precision="32-true",
-        model_kwargs=model_kwargs, data_kwargs={"augment": config["data"]["augment"]},
-        max_epochs=config["trainer"]["max_epochs"], callbacks=[StepLosses(str(tmp_path))], **kwargs)
+    threads = torch.get_num_threads()
+    if layout != "ours-2x1-syncbn":
+        torch.set_num_threads(2)  # one process gets both cores, as the CLI gives it on a quiet 2-core machine
+    try:
+        fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=20, batch_size=32, precision="32-true",
+            model_kwargs=model_kwargs, data_kwargs={"augment": config["data"]["augment"]},
+            max_epochs=config["trainer"]["max_epochs"], callbacks=[StepLosses(str(tmp_path))], **kwargs)
+    finally:
+        torch.set_num_threads(threads)
     for rank in range(kwargs.get("devices", 1)):
         losses = torch.load(tmp_path / f"losses{rank}.pt")
         assert len(losses) == 20 and all(math.isfinite(x) for x in losses), (rank, losses)
