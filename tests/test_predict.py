@@ -18,6 +18,7 @@ from src.data.fashion_mnist import CLASSES, MEAN, STD
 from src.data.images import load_image
 from src.models.classifier import LeNetClassifier
 from tests.helpers import cli_args
+from tests.test_quiet import NOISE
 
 ROOT = Path(__file__).resolve().parent.parent
 LENET = ["--config", "configs/lenet.yaml"]
@@ -205,6 +206,7 @@ def test_ddp_predict_writes_one_csv_equal_to_one_device(trained, tmp_path):
                           cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [line for line in proc.stderr.splitlines() if NOISE.search(line)]  # no warning from either rank
     one = _rows(tmp_path / "one" / "lenet" / "predict" / "predictions_0.csv")
     ddp = _rows(tmp_path / "ddp" / "lenet" / "predict" / "predictions_0.csv")
     assert len(one) == 7 and [r["file"] for r in ddp] == [r["file"] for r in one]

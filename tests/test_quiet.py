@@ -52,9 +52,13 @@ def test_the_filters_hide_only_their_own_message():
                                    module="lightning.pytorch.utilities._pytree")
         warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "mine.py", 1,
                                module="mine")
+        gather = "torch.distributed.nn.functional.all_gather is deprecated, use ... instead."
+        warnings.warn_explicit(gather, FutureWarning, "distributed.py", 247,
+                               module="lightning.fabric.utilities.distributed")
+        warnings.warn_explicit(gather, FutureWarning, "mine.py", 2, module="mine")
     assert [(str(w.message), w.filename) for w in caught] == [("another deprecation", "_pytree.py"),
                                                               ("`isinstance(treespec, LeafSpec)` is deprecated",
-                                                               "mine.py")]
+                                                               "mine.py"), (gather, "mine.py")]
     tip = logging.makeLogRecord({"msg": quiet.LITLOGGER_TIP + ", try installing litlogger", "levelno": logging.INFO})
     other = logging.makeLogRecord({"msg": "GPU available: False, used: False", "levelno": logging.INFO})
     logger = logging.getLogger(quiet.RANK_ZERO_LOGGERS[0])

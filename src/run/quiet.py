@@ -19,6 +19,12 @@ LITLOGGER_TIP = "💡 Tip: For seamless cloud logging and experiment tracking"
 PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 PYTREE_MODULE = r"lightning\.pytorch\.utilities\._pytree"
 
+# torch 2.14 deprecated `torch.distributed.nn.functional.all_gather`; Lightning 2.6's `all_gather` for several
+# processes still calls it (lightning/fabric/utilities/distributed.py), so a predict under DDP warned once per rank
+# when the prediction writer gathered the ranks' rows. The gather itself works and is tested.
+ALL_GATHER_DEPRECATION = r"torch\.distributed\.nn\.functional\.all_gather is deprecated"
+ALL_GATHER_MODULE = r"lightning\.fabric\.utilities\.distributed"
+
 # The loggers that `rank_zero_info` writes through (Lightning points lightning_utilities' helper at the last
 # of these that was imported)
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -38,6 +44,8 @@ class _DropMessage(logging.Filter):
 def apply() -> None:
     """Install the filters; calling it again adds nothing."""
     warnings.filterwarnings("ignore", message=PYTREE_DEPRECATION, category=FutureWarning, module=PYTREE_MODULE)
+    warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATION, category=FutureWarning,
+                            module=ALL_GATHER_MODULE)
     for name in RANK_ZERO_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.prefix == LITLOGGER_TIP for f in logger.filters):
