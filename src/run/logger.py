@@ -20,12 +20,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from src.run.hparams_table import METRICS as HP_METRICS
 from src.run.hparams_table import experiment_summary, session_summaries
 from src.run.lightning_compat import file_writer, set_logger_version
 from src.strategies.layout import parallel_layout
 
-__all__ = ["HP_METRICS", "RunLogger", "run_hparams", "run_tag"]
+__all__ = ["RunLogger", "run_hparams", "run_tag"]
 
 
 def run_tag(trainer: "pl.Trainer") -> str:
@@ -69,7 +68,8 @@ class RunLogger(TensorBoardLogger):
     LightningCLI's internal keys (those starting with "_"). The HPARAMS row (`src.run.hparams_table`) is written
     once, when the run ends (`finalize`), so it holds the run length actually trained; a run killed outright, or
     one that fails while torchrun may still restart it into the same folder, gets its row from the attempt that
-    ends. The table's metrics are `HP_METRICS`, logged as real values: there is no placeholder `hp_metric` of -1.
+    ends. The table's metrics (`src.run.hparams_table.METRICS`) are logged as real values: there is no
+    placeholder `hp_metric` of -1.
 
     Args:
         save_dir: Folder of all runs. The CLI fills it from `trainer.default_root_dir` when it is not given
