@@ -16,8 +16,10 @@ from lightning.pytorch.utilities import rank_zero_info
 import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce` before any Trainer is built
 from src.callbacks import EpochReport, HParamsMetrics, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule
+from src.layout import parallel_layout
 from src.models.classifier import ImageClassifier
 from src.run.checkpoints import check_checkpoint, keep_saved_folders, resolve_last_checkpoint
+from src.run.class_paths import register as register_class_paths
 from src.run.cleanup import register as register_process_group_cleanup
 from src.run.elastic import apply_launcher_layout, fit_split_weights, resolve_auto_checkpoint
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
@@ -27,7 +29,6 @@ from src.run.hparams_table import length_words
 from src.run.logger import RunLogger, run_hparams, run_tag
 from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads
-from src.strategies.layout import parallel_layout
 
 
 class CLI(LightningCLI):
@@ -52,9 +53,7 @@ class CLI(LightningCLI):
         trainer = self.config[self.subcommand].trainer
         apply_launcher_layout(trainer)  # under torchrun: the nodes of this rendezvous round, not a fixed number
         logger = trainer.get("logger")
-        # the second name is RunLogger's old path, in the config.yaml of runs saved before it moved
-        if getattr(logger, "class_path", None) in (f"{RunLogger.__module__}.{RunLogger.__name__}",
-                                                    "src.run_logger.RunLogger"):
+        if getattr(logger, "class_path", None) == f"{RunLogger.__module__}.{RunLogger.__name__}":
             if logger.init_args.get("save_dir") is None or self.subcommand == "predict":
                 # predict: the command line's default_root_dir, not the save_dir of the run's config.yaml
                 logger.init_args.save_dir = trainer.get("default_root_dir") or "logs"
@@ -166,12 +165,14 @@ def main(args: ArgsType = None) -> CLI:
 
     `configs/defaults.yaml` (what every experiment shares) is read before any --config file.
     """
-    defaults = {"default_config_files": [str(DEFAULTS)]}
+    # every config is read through the table of moved class paths, so a saved config.yaml of an older run loads
+    defaults = {"default_config_files": [str(DEFAULTS)], "parser_mode": register_class_paths()}
     # auto_configure_optimizers=False: the optimizer and lr schedule are the model's recipe (model.init_args),
     # so LightningCLI's --optimizer / --lr_scheduler, which would silently replace them, do not exist
     return CLI(ImageClassifier, FashionMNISTDataModule, subclass_mode_model=True, seed_everything_default=42,
                args=args, parser_class=RaisingArgumentParser, auto_configure_optimizers=False,
-               parser_kwargs={command: defaults for command in ("fit", "validate", "test", "predict")})
+               parser_kwargs={"parser_mode": defaults["parser_mode"],
+                              **{command: defaults for command in ("fit", "validate", "test", "predict")}})
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
 from src.callbacks import LastCheckpoint, RestartReport
 from src.cli import main, run
-from src.run.elastic import apply_launcher_layout, check_ddp_batch_after_restart, fit_split_weights, run_id
+from src.run.elastic import apply_launcher_layout, check_ddp_batch_after_restart, fit_split_weights
+from src.run.launcher import run_id
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers.cli_args import fast_args
 from tests.helpers.runs import fit

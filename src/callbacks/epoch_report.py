@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from src.strategies.layout import parallel_layout
+from src.layout import parallel_layout
 
 
 class EpochReport(pl.Callback):

@@ -6,7 +6,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from src.callbacks.epoch_report import say
-from src.run.elastic import restart_count
+from src.run.launcher import restart_count
 
 PROGRESS_FILE = "last_step.txt"  # in the run's log folder: the newest global step rank 0 finished
 

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from src.callbacks.epoch_report import say
 from src.run.lightning_compat import all_threads_profiler_config
-from src.strategies.layout import parallel_layout
+from src.layout import parallel_layout
 from src.timeline import labels
 from src.timeline.breakdown import STEP, median_row, process_breakdown, spans_of, step_number
 from src.timeline.report import csv_text, markdown, table_rows

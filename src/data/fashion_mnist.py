@@ -16,7 +16,7 @@ from src.data.images import ImageFolderLoader, scan_folder
 from src.data.integrity import check_idx_file, check_writable
 from src.data.loader import GlobalBatchSampler, TensorBatchLoader
 from src.sharding import check_global_batch
-from src.strategies.layout import parallel_layout
+from src.layout import parallel_layout
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")

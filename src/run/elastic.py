@@ -12,35 +12,9 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from src.run.checkpoints import newest_complete_checkpoint
+from src.run.launcher import elastic_launch, restart_count, run_id
 from src.run.logger import RunLogger
 from src.sharding import check_global_batch
-
-
-def elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether torchrun started this process (it sets TORCHELASTIC_RUN_ID, WORLD_SIZE and LOCAL_WORLD_SIZE)."""
-    return all(key in environ for key in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
-
-
-def restart_count(environ: Mapping[str, str] = os.environ) -> int:
-    """How many times the launcher restarted this job: torchrun's TORCHELASTIC_RESTART_COUNT, SLURM's
-    SLURM_RESTART_COUNT (requeues), else 0."""
-    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        value = environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
-def run_id(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The launcher's name for this job, the same in every process and after every restart: "elastic-<id>" for
-    torchrun's `--rdzv-id` (TORCHELASTIC_RUN_ID; torchrun's default "none" does not count), "slurm-<id>" for
-    SLURM_JOB_ID (a requeued job keeps its id), else None."""
-    elastic = environ.get("TORCHELASTIC_RUN_ID", "")
-    if elastic and elastic != "none":
-        return f"elastic-{elastic}"
-    if environ.get("SLURM_JOB_ID"):
-        return f"slurm-{environ['SLURM_JOB_ID']}"
-    return None
 
 
 def apply_launcher_layout(trainer: Any, environ: Mapping[str, str] = os.environ) -> None:

@@ -12,7 +12,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.run.lightning_compat import sync_batchnorm_requested
 from src.run.elastic import check_ddp_batch_after_restart
 from src.sharding import check_enough_samples, check_split_weights
-from src.strategies.layout import ParallelLayout, parallel_layout
+from src.layout import ParallelLayout, parallel_layout
 
 
 def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[str, str] = os.environ) -> None:
@@ -72,7 +72,7 @@ def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) ->
     """Every check above, on the objects the CLI built.
 
     Raises:
-        TypeError: For a strategy this tool does not run (see `src.strategies.layout.parallel_layout`).
+        TypeError: For a strategy this tool does not run (see `src.layout.parallel_layout`).
     """
     check_epochs(trainer.max_epochs)
     layout = parallel_layout(trainer.strategy)

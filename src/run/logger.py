@@ -21,8 +21,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from src.run.hparams_table import experiment_summary, session_summaries
+from src.run.launcher import elastic_launch, restart_count
 from src.run.lightning_compat import file_writer, set_logger_version
-from src.strategies.layout import parallel_layout
+from src.layout import parallel_layout
 
 __all__ = ["RunLogger", "run_hparams", "run_tag"]
 
@@ -156,8 +157,6 @@ class RunLogger(TensorBoardLogger):
 def _may_restart(status: str) -> bool:
     """A failed attempt that torchrun may still restart into the same run folder: TensorBoard keeps the first row
     written in a folder, so the attempt that ends writes it instead."""
-    from src.run.elastic import elastic_launch, restart_count  # it imports this module
-
     return status != "success" and elastic_launch() and restart_count() < int(
         os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
 

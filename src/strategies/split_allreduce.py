@@ -14,11 +14,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
+from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
+from src.strategies.comm.vocabulary import exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
 from src.strategies.lockstep import SyncGroup, lockstep_apply
@@ -130,6 +132,16 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         if self._shares is None:
             self._shares = ReplicaShares(self.split_weights, self.world_size, self.replicas_per_process)
         return self._shares
+
+    def parallel_layout(self) -> ParallelLayout:
+        """This strategy's P processes x K replicas, devices, exchange and live rank shares, as the callbacks, the
+        run logger, the launch checks and the DataModule read them (through `src.layout.parallel_layout`)."""
+        p, k = self.world_size, self.replicas_per_process
+        return ParallelLayout(
+            "split_allreduce", p, k, tuple(self.replica_devices), tuple(self.parallel_devices or [self.root_device]),
+            exchange_name(self.algorithm, self.process_algorithm, p, k),
+            self.process_group_backend if p > 1 else None, self.split_weights, True,
+            lambda: self.shares.rank_shares)
 
     @override
     def setup_environment(self) -> None:

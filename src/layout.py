@@ -1,7 +1,9 @@
 """One typed description of a run's data-parallel layout, built from any strategy this tool runs.
 
 Callbacks, the run logger, the launch checks and the DataModule read a `ParallelLayout` instead of probing the
-strategy for attributes, so renaming an attribute of a strategy breaks here, loudly, and nowhere else.
+strategy for attributes. It stands below everything that reads it: Lightning's single-device and DDP strategies are
+described here, and a strategy of this tool describes itself through its `parallel_layout()` method, so this module
+imports no strategy of ours (the strategies import it).
 """
 
 from collections.abc import Callable
@@ -12,8 +14,6 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from src.sharding import replicas_text
-from src.strategies.comm.vocabulary import exchange_name
-from src.strategies.split_allreduce import SplitAllreduceStrategy
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -84,19 +84,15 @@ class ParallelLayout:
 
 
 def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
-    """The layout of `strategy`: single device, Lightning's DDP (any start method) or `SplitAllreduceStrategy`.
+    """The layout of `strategy`: one that describes itself (`strategy.parallel_layout()`, as
+    `SplitAllreduceStrategy` does), Lightning's DDP (any start method) or a single device.
 
     Raises:
         TypeError: For any other strategy, naming the ones this tool supports.
     """
-    if isinstance(strategy, SplitAllreduceStrategy):
-        p, k = strategy.world_size, strategy.replicas_per_process
-        return ParallelLayout(
-            "split_allreduce", p, k, tuple(strategy.replica_devices), tuple(strategy.parallel_devices or
-                                                                             [strategy.root_device]),
-            exchange_name(strategy.algorithm, strategy.process_algorithm, p, k),
-            strategy.process_group_backend if p > 1 else None, strategy.split_weights, True,
-            lambda: strategy.shares.rank_shares)
+    describe_self = getattr(strategy, "parallel_layout", None)
+    if callable(describe_self):
+        return describe_self()
     if isinstance(strategy, DDPStrategy):
         p = strategy.world_size
         backend = strategy.process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")
