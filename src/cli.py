@@ -28,7 +28,7 @@ from src.run.lightning_compat import give_lost_rank_reports_time
 from src.run.hparams_table import length_words
 from src.run.logger import RunLogger, run_hparams, run_tag
 from src.run.threads import apply as use_threads
-from src.run.threads import choose_threads
+from src.run.threads import choose_threads, saved_threads
 
 
 class CLI(LightningCLI):
@@ -69,7 +69,6 @@ class CLI(LightningCLI):
                 self.trainer.callbacks.append(callback())  # ProcessGroupCleanup reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
         processes = parallel_layout(self.trainer.strategy).processes // max(self.trainer.num_nodes, 1)
-        use_threads(choose_threads(self.config[self.subcommand].get("threads"), processes))
         logger = self.trainer.logger
         if isinstance(logger, RunLogger):
             stage = "" if self.subcommand == "fit" else f"{self.subcommand}/"
@@ -97,6 +96,7 @@ class CLI(LightningCLI):
             for callback in self.trainer.callbacks:  # the run's folder is this job's: a restart rewrites config.yaml
                 if isinstance(callback, SaveConfigCallback):
                     callback.overwrite = True
+        checkpoint = None
         if config.get("ckpt_path"):
             config["ckpt_path"] = resolve_last_checkpoint(config["ckpt_path"],
                                                           _experiment_dir(logger) or self._experiment)
@@ -105,6 +105,15 @@ class CLI(LightningCLI):
                 keep_saved_folders(self.trainer.callbacks, checkpoint)
                 if isinstance(logger, RunLogger) and isinstance(checkpoint.get("global_step"), int):
                     logger.describe_length(length_words(checkpoint["global_step"]))  # what the checkpoint trained
+        # chosen once the checkpoint is known: a resumed fit keeps the threads its run used (src/run/threads.py)
+        choice = choose_threads(self.config[self.subcommand].get("threads"), processes,
+                                saved=saved_threads(checkpoint) if self.subcommand == "fit" else None)
+        use_threads(choice)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RestartReport):
+                callback.thread_choice = choice  # its restart line says which count the resumed run uses
+        if isinstance(logger, RunLogger):
+            logger.run_hparams["run/threads"] = choice.threads  # described above, before the count was chosen
 
     before_fit = before_validate = before_test = _check
 

@@ -123,6 +123,7 @@ def test_lost_node_job_goes_on_with_two_processes_and_ends_as_uninterrupted(tiny
     text = "\n".join(outputs)
     assert codes[2] == -9 and codes[:2] == [0, 0], f"exit codes {codes}\n{text[-6000:]}"
     assert "restart 1: resumed at step 4 on 2 processes (was 3), 2 steps redone" in text, text[-6000:]
+    assert "2 steps redone; 1 thread per process, as the run started" in text  # the count every checkpoint records
     assert "finished at step 10 on 2 processes after restart 1" in text
     diff = max((a - uninterrupted[k]).abs().max().item() for k, a in _weights(run).items())
     print(f"largest weight difference to the uninterrupted job: {diff:.3g}")

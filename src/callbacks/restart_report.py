@@ -7,13 +7,15 @@ import lightning.pytorch as pl
 
 from src.callbacks.epoch_report import say
 from src.run.launcher import restart_count
+from src.run.threads import ThreadChoice, record
 
 PROGRESS_FILE = "last_step.txt"  # in the run's log folder: the newest global step rank 0 finished
 
 
 class RestartReport(pl.Callback):
-    """Prints `restart 1: resumed at step 350 on 2 processes (was 3), 10 steps redone` when fit resumes from a
-    checkpoint, logs `restart/count`, `restart/steps_redone` and `restart/processes` to TensorBoard at the step it
+    """Prints `restart 1: resumed at step 350 on 2 processes (was 3), 10 steps redone; 1 thread per process, as the
+    run started` when fit resumes from a checkpoint (the thread words from `thread_choice`, which the CLI sets),
+    logs `restart/count`, `restart/steps_redone` and `restart/processes` to TensorBoard at the step it
     resumed at, gives the epoch line its restart words, and ends with `finished at step 500 on 2 processes after
     restart 1`.
 
@@ -22,6 +24,9 @@ class RestartReport(pl.Callback):
     the previous attempt finished, which rank 0 writes to `last_step.txt` in the run's log folder after every
     optimizer step (one small write; with no logger there is no folder, and the count is left out). A checkpoint
     saved before this callback existed resumes too; its line then leaves out the earlier world size.
+
+    Every checkpoint also records the intra-op threads of each process and the processes per node
+    (`src.run.threads.record`), which a resumed run reuses.
     """
 
     def __init__(self) -> None:
@@ -32,6 +37,7 @@ class RestartReport(pl.Callback):
         self._saved: dict = {}  # this callback's state in the checkpoint resumed from
         self._processes = 1
         self._fd: int | None = None
+        self.thread_choice: ThreadChoice | None = None  # how this attempt chose its threads (set by the CLI)
 
     def state_dict(self) -> dict:
         """Restarts so far and the world size, saved in every checkpoint."""
@@ -43,6 +49,9 @@ class RestartReport(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._processes = trainer.world_size
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        record(checkpoint, trainer.world_size // max(trainer.num_nodes, 1))
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         progress = self._progress_path(trainer)
         if trainer.ckpt_path:
@@ -51,7 +60,7 @@ class RestartReport(pl.Callback):
             reached = _read_step(progress) if progress is not None else None
             self.steps_redone = max(reached - self.resumed_at, 0) if reached is not None else None
             say(trainer, f"restart {self.restarts}: resumed at step {self.resumed_at} on "
-                         f"{_processes(trainer.world_size)}{self._was()}{self._redone()}")
+                         f"{_processes(trainer.world_size)}{self._was()}{self._redone()}{self._threads()}")
             metrics = {"restart/count": self.restarts, "restart/processes": trainer.world_size}
             if self.steps_redone is not None:
                 metrics["restart/steps_redone"] = self.steps_redone
@@ -83,6 +92,9 @@ class RestartReport(pl.Callback):
     def _was(self) -> str:
         before = self._saved.get("processes")
         return f" (was {before})" if before is not None and before != self._processes else ""
+
+    def _threads(self) -> str:
+        return f"; {self.thread_choice.resume_words()}" if self.thread_choice is not None else ""
 
     def _redone(self) -> str:
         return f", {self.steps_redone} steps redone" if self.steps_redone is not None else ""
