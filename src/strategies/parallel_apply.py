@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from src.run.lightning_compat import copy_hook_name, transfer_batch
 from src.timeline.labels import replica_phase
@@ -22,11 +23,14 @@ def _synced_clock(device: torch.device) -> float:
 
 def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, device: torch.device) -> Any:
     """Move shard k to `device` through replica 0's transfer hooks; replica k > 0 first takes replica 0's
-    train/eval mode per submodule and its running hook name. Returns the shard on the device."""
+    train/eval mode per submodule (and whether each BatchNorm tracks running statistics) and its running hook
+    name. Returns the shard on the device."""
     replica0, replica = replicas[0], replicas[k]
     if k:
         for source, target in zip(replica0.modules(), replica.modules()):
             target.training = source.training
+            if isinstance(source, _BatchNorm):  # e.g. BaseFinetuning.freeze(train_bn=False) turns it off
+                target.track_running_stats = source.track_running_stats
         copy_hook_name(replica0, replica)
     return transfer_batch(replica0, shard, device)
 
