@@ -210,7 +210,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             self.exchange.remove()
         revert_(self.replicas)  # checkpoints and later stages see plain BatchNorm
         self.replicas, self._replica_optimizers, self._metric_pairs, self.sync_group = [], [], [], None
-        self.exchange, self._watch = None, None
+        self._watch = None  # the exchange stays, its hooks removed: bytes_sent and its buckets can be read after fit
         super().teardown()
 
     @override
