@@ -104,6 +104,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         self.replicas, self._replica_optimizers, self._metric_pairs = [], [], []
         self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
         self._watch: Replica0Watch | None = None  # what the copies and the exchange were built from (train start)
+        self._followed = False  # optimizer_step followed replica 0 already; its closure's training_step need not
         self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
         self._loss_terms: list[tuple[int, Tensor]] | None = None  # per replica, while a step timeline records
@@ -160,7 +161,8 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Copy the optimizer to every replica (after a checkpoint's state was restored) and fix the buckets."""
+        """Copy the optimizer to every replica (after a checkpoint's state was restored) and make the exchange; every
+        step then carries to them what callbacks changed on replica 0 since (`_follow_replica0`)."""
         if not self.data_parallel:
             return
         self._watch = Replica0Watch(self.replicas)  # anew: the lr finder runs the fit loop, then fit runs it again
@@ -253,7 +255,9 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         """Run training_step on every shard and return the loss of the whole global batch (gather)."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
-        self._follow_replica0()
+        if not self._followed:  # a micro-batch that only accumulates: optimizer_step did not run first
+            self._follow_replica0()
+        self._followed = False
         n = batch_size_of(args[0])  # with P > 1 the global batch's N is counted while the replicas run forward
         total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.sync_group is not None,
                                    agreement=self._watch.agreement_code(self.optimizers[0])) \
@@ -300,7 +304,8 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
         # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
-        self._follow_replica0()  # here too, so that overlap hooks made for new flags are armed for this backward
+        self._follow_replica0()  # before the closure, so that overlap hooks made for new flags are armed in it
+        self._followed = True
         grad_norms = self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
         out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
                                      model, **kwargs)
