@@ -4,6 +4,8 @@ Each function says why no public API serves. If a Lightning upgrade breaks one, 
 """
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +36,26 @@ def transfer_batch(module: "pl.LightningModule", batch: Any, device: torch.devic
     chain (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) to device k.
     """
     return module._apply_batch_transfer_handler(batch, device=device)
+
+
+@contextmanager
+def logged_batch(module: "pl.LightningModule", batch: Any) -> Iterator[None]:
+    """Inside, `self.log` calls without `batch_size` weigh their epoch means by the samples of `batch`.
+
+    Lightning infers that weight from the step's whole batch, which it keeps on the running loop's result
+    collection; a replica that logs the mean over its shard must be weighed by the shard instead, or uneven shards
+    would give another epoch mean than one device. No public API sets it.
+    """
+    results = module._trainer._results if module._trainer is not None else None
+    if results is None:
+        yield
+        return
+    saved = results.batch, results.batch_size
+    results.batch, results.batch_size = batch, None
+    try:
+        yield
+    finally:
+        results.batch, results.batch_size = saved
 
 
 def copy_hook_name(source: "pl.LightningModule", target: "pl.LightningModule") -> None:

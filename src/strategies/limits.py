@@ -80,4 +80,5 @@ def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy
 def check_one_optimizer(optimizers: list) -> None:
     """Raises RuntimeError unless there is exactly one optimizer (each replica steps its own copy of it)."""
     if len(optimizers) != 1:
-        raise RuntimeError(f"split_allreduce supports one optimizer, got {len(optimizers)}")
+        raise RuntimeError(f"split_allreduce steps one optimizer (every replica keeps its own copy of it), got "
+                           f"{len(optimizers)}: put all parameters into one optimizer, one param group per setting")

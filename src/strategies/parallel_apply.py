@@ -9,8 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from src.run.lightning_compat import copy_hook_name, transfer_batch
+from src.run.lightning_compat import copy_hook_name, logged_batch, transfer_batch
 from src.timeline.labels import replica_phase
 
 
@@ -22,11 +23,14 @@ def _synced_clock(device: torch.device) -> float:
 
 def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, device: torch.device) -> Any:
     """Move shard k to `device` through replica 0's transfer hooks; replica k > 0 first takes replica 0's
-    train/eval mode per submodule and its running hook name. Returns the shard on the device."""
+    train/eval mode per submodule (and whether each BatchNorm tracks running statistics) and its running hook
+    name. Returns the shard on the device."""
     replica0, replica = replicas[0], replicas[k]
     if k:
         for source, target in zip(replica0.modules(), replica.modules()):
             target.training = source.training
+            if isinstance(source, _BatchNorm):  # e.g. BaseFinetuning.freeze(train_bn=False) turns it off
+                target.track_running_stats = source.track_running_stats
         copy_hook_name(replica0, replica)
     return transfer_batch(replica0, shard, device)
 
@@ -42,7 +46,8 @@ def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
     """Call `getattr(replica_k, step)(shard_k on device k, *args, **kwargs)` for every non-empty shard.
 
     Replica 0 runs last: for a torchmetrics object passed to `self.log`, Lightning keeps the last one logged,
-    and it must be replica 0's, into which the other replicas' metric states are merged after the step.
+    and it must be replica 0's, into which the other replicas' metric states are merged after the step. A tensor
+    logged without `batch_size` counts in epoch means with its shard's samples, as one device's would.
     Every other replica first takes replica 0's train/eval mode per submodule and its running hook name.
 
     Args:
@@ -68,7 +73,7 @@ def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
         replica, device = replicas[k], devices[k]
         shard = prepare_replica(replicas, k, shards[k], device)
         start = _synced_clock(device) if timed else 0.0
-        with replica_phase(k, phase_name(step)):
+        with replica_phase(k, phase_name(step)), logged_batch(replicas[0], shard):
             outputs[k] = getattr(replica, step)(shard, *args, **kwargs)
         if timed:
             seconds[k] = _synced_clock(device) - start

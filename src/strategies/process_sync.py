@@ -86,29 +86,42 @@ def gather_rates(local_rates: list[float], rank: int, world: int, device: torch.
     return t.tolist()
 
 
-def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_now: bool) -> Callable[[], int]:
+def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_now: bool,
+                       agreement: int = 0) -> Callable[[], int]:
     """N, the samples of this step's global batch, from this process's `n`: a function that returns it.
 
     The processes sum their counts with one small allreduce, started here and waited for when the function is
     called, so its latency hides behind the replicas' forward passes. `wait_now` (sync BatchNorm) waits at once:
-    the synchronised layers must not meet a process that has no sample.
+    the synchronised layers must not meet a process that has no sample. The same allreduce compares the
+    processes' `agreement` codes a (the optimizer's groups and the trainable parameters, `Replica0Watch`): it
+    also sums a and a², and P·Σa² = (Σa)² holds exactly when every process has the same a (Cauchy-Schwarz;
+    exact in float64 for codes below 2^20 and up to 2^12 processes).
 
     Args:
         n: This process's samples of the step.
-        device: Where the (2,) float64 count lives (the backend's device).
+        device: Where the (4,) float64 vector lives (the backend's device).
         total_replicas: P x K; every replica needs a sample.
         wait_now: Wait here, and refuse a step that left a process without a sample.
+        agreement: This process's code, a non-negative integer below 2^20.
 
     Raises:
         ValueError: From the returned function (or at once with `wait_now`), if N is smaller than the P x K
             replicas (on every process alike), or, with `wait_now`, if a process got no sample.
+        RuntimeError: From the returned function (or at once with `wait_now`), on every process alike, if the
+            processes' agreement codes differ.
     """
-    counts = torch.tensor([float(n), float(n == 0)], dtype=torch.float64, device=device)
+    counts = torch.tensor([float(n), float(n == 0), float(agreement), float(agreement) ** 2], dtype=torch.float64,
+                          device=device)
     work = dist.all_reduce(counts, async_op=True)
 
     def result() -> int:
         work.wait()
-        total, idle = int(counts[0].item()), int(counts[1].item())
+        total, idle, codes, squares = (int(v) for v in counts.tolist())
+        if dist.get_world_size() * squares != codes * codes:
+            raise RuntimeError("split_allreduce: the processes disagree on the optimizer (its param groups or their "
+                               "lr, momentum, weight decay, ...) or on which parameters require gradients: a callback "
+                               "or hook changed them on some ranks only (e.g. under rank_zero_only); make the same "
+                               "change on every rank")
         check_enough_samples("a global batch of ", total, total_replicas)
         if idle and wait_now:  # its BatchNorm layers would never meet the others'
             raise ValueError(f"a global batch of {total} left {idle} process(es) without a sample, and "

@@ -93,8 +93,13 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, replica0: nn.Module, repli
 
 
 def copy_hyperparameters_(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
-    """Copy lr, momentum and the other group settings (what lr schedulers change) from `source` to `target`."""
-    for src, dst in zip(source.param_groups, target.param_groups):
+    """Copy lr, momentum and the other group settings (what lr schedulers change) from `source` to `target`.
+
+    Raises:
+        ValueError: If the two have different numbers of param groups (the copy was cloned before a group was
+            added or removed; `src.strategies.follow.Replica0Watch` makes the strategy clone it again first).
+    """
+    for src, dst in zip(source.param_groups, target.param_groups, strict=True):
         for key, value in src.items():
             if key != "params":
                 dst[key] = value
@@ -106,6 +111,19 @@ def copy_gradients_(source: nn.Module, target: nn.Module) -> None:
     for p, q in zip(source.parameters(), target.parameters()):
         if p.grad is not None and q.grad is not None:
             q.grad.copy_(p.grad)
+
+
+@torch.no_grad()
+def copy_parameters_(replicas: list[nn.Module]) -> None:
+    """Make replicas 1..K-1 take replica 0's parameter values, each on its own device, and drop their gradients.
+
+    Used instead of stepping their optimizers when replica 0's optimizer changed after this step's forward pass
+    (e.g. a param group added in `on_before_optimizer_step`): their copies of it could not make the same update.
+    """
+    for replica in replicas[1:]:
+        for p, q in zip(replicas[0].parameters(), replica.parameters()):
+            q.copy_(p)
+            q.grad = None
 
 
 def step_other_replicas_(optimizer: torch.optim.Optimizer, replicas: list[nn.Module],

@@ -22,13 +22,15 @@ from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
 from src.strategies.comm.vocabulary import exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
+from src.strategies.follow import Replica0Watch
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
 from src.strategies.lockstep import SyncGroup, lockstep_apply
 from src.strategies.parallel_apply import parallel_apply
 from src.strategies.process_sync import count_global_batch, gather_rates, sync_all_buffers_
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replica_access import ReplicaAccess
-from src.strategies.replicate import clone_optimizer, make_replicas, merge_metrics_, metric_pairs, step_other_replicas_
+from src.strategies.replicate import (clone_optimizer, copy_parameters_, make_replicas, merge_metrics_, metric_pairs,
+                                     step_other_replicas_)
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
 from src.strategies.sync_batchnorm import convert_, revert_
 from src.strategies.replica_backward import backward_per_replica
@@ -103,6 +105,8 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         self.auto_split_steps, self.auto_split = auto_split_steps, None  # an AutoSplit while `auto` measures
         self.replicas, self._replica_optimizers, self._metric_pairs = [], [], []
         self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
+        self._watch: Replica0Watch | None = None  # what the copies and the exchange were built from (train start)
+        self._followed = False  # optimizer_step followed replica 0 already; its closure's training_step need not
         self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
         self._loss_terms: list[tuple[int, Tensor]] | None = None  # per replica, while a step timeline records
@@ -169,15 +173,42 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Copy the optimizer to every replica (after a checkpoint's state was restored) and fix the buckets."""
+        """Copy the optimizer to every replica (after a checkpoint's state was restored) and make the exchange; every
+        step then carries to them what callbacks changed on replica 0 since (`_follow_replica0`)."""
         if not self.data_parallel:
             return
+        self._watch = Replica0Watch(self.replicas)  # anew: the lr finder runs the fit loop, then fit runs it again
+        self._follow_replica0()
+
+    def _follow_replica0(self) -> None:
+        """Before the replicas' forward pass: carry to the other replicas what callbacks and hooks changed on
+        replica 0 since the last step (`src.strategies.follow`). New `requires_grad` flags go to every replica and
+        the exchange is made again (its overlap hooks sit on the parameters that require a gradient); another
+        optimizer, new param groups or a loaded optimizer state make every replica clone the optimizer again.
+
+        Raises:
+            RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
+                optimizer holding a tensor that is not a parameter of the module.
+        """
         check_one_optimizer(self.optimizers)
-        replica0 = self.lightning_module
-        self._replica_optimizers = [clone_optimizer(self.optimizers[0], replica0, r) for r in self.replicas[1:]]
+        watch, optimizer = self._watch, self.optimizers[0]
+        watch.check_parameters()
+        if watch.follow_trainable() or self.exchange is None:
+            self._make_exchange()
+        if watch.optimizer_changed(optimizer, self._replica_optimizers):
+            self._clone_optimizer(optimizer)
+
+    def _make_exchange(self) -> None:
+        if self.exchange is not None:
+            self.exchange.remove()
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         self.exchange = GradientExchange([list(r.parameters()) for r in self.replicas], self.algorithm,
                                          self.bucket_cap_bytes, self.overlap, between)
+
+    def _clone_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
+        replica0 = self.lightning_module
+        self._replica_optimizers = [clone_optimizer(optimizer, replica0, r) for r in self.replicas[1:]]
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -193,6 +224,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             self.exchange.remove()
         revert_(self.replicas)  # checkpoints and later stages see plain BatchNorm
         self.replicas, self._replica_optimizers, self._metric_pairs, self.sync_group = [], [], [], None
+        self._watch = None  # the exchange stays, its hooks removed: bytes_sent and its buckets can be read after fit
         super().teardown()
 
     @override
@@ -235,8 +267,12 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         """Run training_step on every shard and return the loss of the whole global batch (gather)."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
+        if not self._followed:  # a micro-batch that only accumulates: optimizer_step did not run first
+            self._follow_replica0()
+        self._followed = False
         n = batch_size_of(args[0])  # with P > 1 the global batch's N is counted while the replicas run forward
-        total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.sync_group is not None) \
+        total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.sync_group is not None,
+                                   agreement=self._watch.agreement_code(self.optimizers[0])) \
             if self.multi_process else (lambda: n)
         with self.precision_plugin.train_step_context():
             results = self._run_replicas("training_step", args[0], args[1:], kwargs)
@@ -280,12 +316,22 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
         # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
+        self._follow_replica0()  # before the closure, so that overlap hooks made for new flags are armed in it
+        self._followed = True
         grad_norms = self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
         out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
                                      model, **kwargs)
         replica0 = self.lightning_module
-        clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", replica0)
-        step_other_replicas_(optimizer, self.replicas, self._replica_optimizers, clipped)
+        check_one_optimizer(self.optimizers)
+        if self._watch.optimizer_changed(self.optimizers[0]):
+            # changed after the forward pass (e.g. a group added in on_before_optimizer_step): the copies cannot
+            # make replica 0's update, so the replicas take its result and clone its optimizer as it is now
+            copy_parameters_(self.replicas)
+            self._clone_optimizer(self.optimizers[0])
+        else:
+            clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping",
+                                                                                 replica0)
+            step_other_replicas_(optimizer, self.replicas, self._replica_optimizers, clipped)
         self._after_update()
         return out
 

@@ -75,7 +75,10 @@ class GradientExchange:
             self.readiness.remove()
 
     def _reduce_in_backward(self, b: int) -> None:
-        members = [[ps[i] for i in self.buckets[b]] for ps in self.params]
+        trainable = [i for i in self.buckets[b] if self.readiness.trainable[i]]  # frozen ones have no gradient
+        if not trainable:
+            return
+        members = [[ps[i] for i in trainable] for ps in self.params]
         for dev, n in enumerate(allreduce_bucket_(members, self.algorithm, self.between, b)):
             self._sent_in_backward[dev] += n
 

@@ -37,7 +37,10 @@ class BucketReadiness:
                  reduce_bucket: Callable[[int], None]) -> None:
         self.buckets = [list(b) for b in buckets]
         self.reduce_bucket = reduce_bucket
-        trainable = [all(ps[i].requires_grad for ps in replica_params) for i in range(len(replica_params[0]))]
+        # per parameter index: whether it requires a gradient on every replica (frozen ones get no gradient, so
+        # they neither count towards a bucket's readiness nor take part in its reduction)
+        self.trainable = [all(ps[i].requires_grad for ps in replica_params) for i in range(len(replica_params[0]))]
+        trainable = self.trainable
         self._sizes = [len(replica_params) * sum(trainable[i] for i in b) for b in self.buckets]
         self._pending: list[int] = []
         self._next = 0
