@@ -11,6 +11,7 @@ every qdisc at once, and interface names never collide with another lab's or the
 names (L-...) must be unique, and L holds the process id.
 """
 
+import itertools
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from src.lab.spec import format_rate
 SUBNET = "198.18.0"  # RFC 2544's range for benchmarking networks (198.18.0.0/15): never routed anywhere
 NIC = "eth0"
 BRIDGE = "br0"
+_labs = itertools.count()  # labs named by this process, so two of them never share a name
 TBF_LATENCY = "100ms"  # queue of rate x 100 ms per port: room for a burst of several senders to one receiver
 
 
@@ -95,8 +97,8 @@ class Lab:
     Args:
         cores: The cores of machine 0, 1, ... (see `src.lab.spec.assign_cores`).
         rates: The link rate of each machine in bits/s (None: unshaped).
-        name: The lab's name, the prefix of its namespaces (default: "lab" and this process id, with a count
-            when this process has several labs or a stale lab holds the name).
+        name: The lab's name, the prefix of its namespaces (default: "lab", this process id and a count of this
+            process's labs, skipping a name that a stale lab of an earlier process with the same id holds).
     """
 
     cores: list[list[int]]
@@ -110,9 +112,9 @@ class Lab:
             raise ValueError(f"a lab has 1 to 250 machines, each with cores and a rate ({len(self.cores)} cores "
                              f"lists, {len(self.rates)} rates)")
         if self.name is None:
-            taken, n = namespaces(), 0
-            while any(ns.startswith(f"lab{os.getpid()}-{n}-") for ns in taken):
-                n += 1
+            taken, n = namespaces(), next(_labs)
+            while any(ns.startswith(f"lab{os.getpid()}-{n}-") for ns in taken):  # a stale lab of a reused pid
+                n = next(_labs)
             self.name = f"lab{os.getpid()}-{n}"
         self.switch = f"{self.name}-sw"
         self.machines = [Machine(i, f"{self.name}-m{i}", f"{SUBNET}.{i + 1}", c, r, f"p{i}")
