@@ -92,20 +92,22 @@ def _option(command: list[str], name: str) -> str | None:
 class StepWatch:
     """The newest finished step of the job, from `last_step.txt`, which rank 0 rewrites after every step in the
     run's log folder, `<save_dir>/<model>/<layout>/elastic-<job_id>/`. The save_dir is read from the command
-    (`--trainer.logger.init_args.save_dir`, else `--trainer.default_root_dir`, else `logs`); files older than the
-    job are passed over, so a previous run of the same job id does not count."""
+    (`--trainer.logger.init_args.save_dir`, else `--trainer.default_root_dir`, else `logs`); a file older than
+    the job is passed over, so a previous run of the same job id does not count.
+
+    The lab reads the file from outside, every 0.1 s, so a fault "after step N" hits at the first look that sees
+    step N or later: with steps shorter than that it can be a step or two late (the lab says which step it saw).
+    """
 
     def __init__(self, job: Job, cwd: Path, started: float) -> None:
         root = (_option(job.command, "--trainer.logger.init_args.save_dir")
                 or _option(job.command, "--trainer.default_root_dir") or "logs")
         self.root, self.pattern, self.started = cwd / root, f"*/*/elastic-{job.job_id}/last_step.txt", started
         self.path: Path | None = None
-        self._looked = 0.0
 
     def step(self) -> int | None:
         """The newest finished global step, or None before the first one."""
-        if self.path is None and time.monotonic() - self._looked > 1:  # a glob per second at most
-            self._looked = time.monotonic()
+        if self.path is None:
             fresh = [p for p in self.root.glob(self.pattern) if p.stat().st_mtime >= self.started]
             self.path = fresh[0] if fresh else None
         try:
