@@ -5,6 +5,7 @@ CLI, equal to one device in float64.
 They need root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; elsewhere they are skipped with what is missing."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,3 +121,29 @@ def test_a_machine_killed_at_a_step_leaves_the_other_to_resume_alone_and_end_as_
     diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())
     print(f"{killed.strip()}; largest weight difference to one device: {diff:.3g}")
     assert diff <= 1e-9
+
+
+def test_ctrl_c_during_a_job_kills_every_process_of_every_machine_and_removes_the_lab(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    lab = subprocess.Popen([sys.executable, "-m", "src.lab", "run", "--machines", "2", "--quiet", "--out",
+                            str(tmp_path / "run"), "--", "--no-python", "sleep", "600"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        name = _lab_name(lab.stdout.readline())
+        pids: dict[int, list[str]] = {}
+        deadline = time.monotonic() + 60
+        while not all(len(pids.get(i, [])) >= 2 for i in range(2)):  # each machine's agent and its sleep
+            assert time.monotonic() < deadline and lab.poll() is None, f"no workers: {pids}"
+            time.sleep(0.2)
+            pids = {i: subprocess.run(["ip", "netns", "pids", f"{name}-m{i}"], capture_output=True,
+                                      text=True).stdout.split() for i in range(2)}
+        lab.send_signal(signal.SIGINT)
+        assert lab.wait(timeout=30) == 130
+        assert lab.stdout.read().rstrip().endswith(f"lab: {name} torn down")
+        alive = [p for ps in pids.values() for p in ps if Path(f"/proc/{p}").exists()
+                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert alive == [] and not any(ns.startswith(name + "-") for ns in namespaces())
+    finally:
+        if lab.poll() is None:
+            lab.kill()
+            lab.wait()
