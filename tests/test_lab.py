@@ -15,6 +15,7 @@ import pytest
 
 from src.lab import __main__ as lab_cli
 from src.lab import privileges
+from src.lab.job import job_status
 from src.lab.network import Lab, burst_bytes, namespaces, run_ip
 from src.lab.spec import Fault, assign_cores, parse_fault, parse_rate, parse_straggler
 
@@ -37,6 +38,14 @@ def test_rates_cores_and_faults_are_parsed_and_bad_ones_refused():
     assert parse_straggler("1=10mbit", 2) == (1, 10**7)
     with pytest.raises(ValueError, match="not one of 0 .. 1"):
         parse_straggler("2=10mbit", 2)
+
+
+def test_the_job_status_is_the_first_failure_of_a_machine_no_fault_hit():
+    assert job_status([0, 0], set()) == 0
+    assert job_status([0, -9], {1}) == 0  # the killed machine does not count
+    assert job_status([0, 1, 2], set()) == 1 and job_status([0, -9, 1], {1}) == 1
+    assert job_status([-15, 0], set()) == 143  # a signal, as a shell reports it
+    assert job_status([None, None], set(), timed_out=True) == 124
 
 
 def test_an_oversubscribed_layout_is_refused_unless_asked_for_and_then_said(capsys):

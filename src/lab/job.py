@@ -135,6 +135,23 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def job_status(codes: list[int | None], hit: set[int], timed_out: bool = False) -> int:
+    """The job's exit status from its machines' torchrun return codes.
+
+    Args:
+        codes: Each machine's return code (negative: ended by that signal; None: still running).
+        hit: The machines a fault hit: their codes do not count.
+        timed_out: The job ran past its timeout.
+
+    Returns:
+        124 when timed out, else the first non-zero exit status of a machine no fault hit (machine 0 first, a
+        signal N as 128 + N), else 0.
+    """
+    if timed_out:
+        return 124
+    return next((exit_status(c) for i, c in enumerate(codes) if i not in hit and c), 0)
+
+
 def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = None) -> int:
     """Start the job on every machine, apply its faults when due, and wait for it to end.
 
@@ -148,8 +165,7 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
         cwd: Where the command runs (default: the current folder).
 
     Returns:
-        The job's exit status: 124 when `job.timeout` ran out, else the first non-zero exit status of a machine no
-        fault hit (machine 0 first), else 0.
+        The job's exit status (`job_status`).
     """
     cwd = Path.cwd() if cwd is None else cwd
     job.out.mkdir(parents=True, exist_ok=True)
@@ -201,10 +217,7 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
             note(f"machine {i}: {state}{cause}")
         for fault in pending:
             note(f"--{fault.kind} {fault.machine} {fault.when()} never came due")
-        if timed_out:
-            return 124
-        codes = [exit_status(procs[i].returncode) for i in range(len(procs)) if i not in hit]
-        return next((c for c in codes if c), 0)
+        return job_status([p.poll() for p in procs], set(hit), timed_out)
     finally:
         for i, p in enumerate(procs):
             if p.poll() is None:
