@@ -139,8 +139,8 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
         if oversubscribed:
             say(oversubscribed)
         if args.action == "up":
-            say(f"{lab.name} is up: run a command on machine I with `{' '.join(lab.exec_prefix(0))} COMMAND` "
-                "(machine 0's words); Ctrl-C or SIGTERM tears the lab down")
+            say(f"{lab.name} is up: run a command on machine I with `ip netns exec {lab.name}-mI taskset -c CORES "
+                "COMMAND` (its cores as above); Ctrl-C or SIGTERM tears the lab down")
             while True:
                 signal.pause()
         job = Job(command, out, args.procs_per_machine, args.min_machines, args.max_restarts, args.job or lab.name,
