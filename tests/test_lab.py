@@ -17,7 +17,7 @@ from src.lab import __main__ as lab_cli
 from src.lab import privileges
 from src.lab.job import job_status
 from src.lab.network import Lab, burst_bytes, namespaces, run_ip
-from src.lab.spec import Fault, assign_cores, parse_fault, parse_rate, parse_straggler
+from src.lab.spec import Fault, assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note
 
 ROOT = Path(__file__).resolve().parent.parent
 LACKING = privileges.missing()
@@ -35,6 +35,9 @@ def test_rates_cores_and_faults_are_parsed_and_bad_ones_refused():
         parse_fault("cut", "0@5s", 3)
     with pytest.raises(ValueError, match="MACHINE@SECONDS"):
         parse_fault("kill", "1 at noon", 3)
+    kill = [Fault("kill", 1, seconds=5.0)]
+    assert "pass --min-machines 1" in survivors_note(kill, 2, None) and survivors_note(kill, 2, 1) is None
+    assert survivors_note([], 2, None) is None
     assert parse_straggler("1=10mbit", 2) == (1, 10**7)
     with pytest.raises(ValueError, match="not one of 0 .. 1"):
         parse_straggler("2=10mbit", 2)

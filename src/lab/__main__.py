@@ -9,7 +9,7 @@ from pathlib import Path
 from src.lab import privileges
 from src.lab.job import RDZV_CONF, Job, run_job
 from src.lab.network import Lab, LabError
-from src.lab.spec import assign_cores, parse_fault, parse_rate, parse_straggler
+from src.lab.spec import assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note
 
 EXAMPLE = """example:
   python -m src.lab run --machines 2 --link 100mbit -- -m src.cli fit --config configs/lenet.yaml \\
@@ -143,6 +143,9 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
                 "COMMAND` (its cores as above); Ctrl-C or SIGTERM tears the lab down")
             while True:
                 signal.pause()
+        note = survivors_note(faults, len(lab.machines), args.min_machines)
+        if note:
+            say(note)
         job = Job(command, out, args.procs_per_machine, args.min_machines, args.max_restarts, args.job or lab.name,
                   args.rdzv_conf, faults, args.timeout, echo=not args.quiet)
         code = run_job(lab, job, say)
