@@ -194,3 +194,34 @@ def test_a_straggler_link_binds_both_ways():
     print(f"1 MB at 16 Mbit/s: {seconds[0]:.3f} s to the straggler, {seconds[1]:.3f} s from it "
           f"(bytes / rate {size * 8 / rate:.3f} s)")
     assert min(seconds) >= least, seconds
+
+
+CONNECT = """
+import socket, sys
+conn = socket.socket()
+conn.settimeout(float(sys.argv[2]))
+try:
+    conn.connect((sys.argv[1], 5001))
+    print("connected")
+except socket.timeout:
+    print("timeout")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+@needs_lab
+@pytest.mark.slow  # starts processes in the lab
+def test_a_cut_machine_keeps_its_processes_and_its_peers_hear_nothing_back():
+    with Lab([[0], [1]], [None, None]) as lab:
+        sleeper = subprocess.Popen([*lab.exec_prefix(1), "sleep", "600"])
+        assert _transfer(lab, 0, 1, 1000) >= 0  # connected before the cut
+        lab.cut(1)
+        assert "NO-CARRIER" in run_ip("-n", lab.machines[1].namespace, "link", "show", "dev", "eth0")
+        # no reset and no error comes back, as in a real partition: the connection attempt only times out (port
+        # 5001 on machine 1 is closed now, so a packet that got through would be answered with a refusal)
+        said = subprocess.run([*lab.exec_prefix(0), sys.executable, "-c", CONNECT, lab.machines[1].address, "1"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+        assert said == "timeout"
+        assert sleeper.poll() is None and lab.pids(1) == [sleeper.pid]
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
