@@ -1,0 +1,235 @@
+"""One job on every machine of a lab: the same elastic torchrun line in each, faults at a time or a step, each
+machine's output in a file of the run folder, and the job's exit status at the end."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from src.lab.network import NIC, Lab
+from src.lab.spec import Fault
+
+RDZV_PORT = 29400  # every machine has its own port space, so a fixed port never collides with another lab's
+# docs/fault_tolerance.md's settings: a lost node is dropped after 2 missed 1-second keep-alives
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+# what a launcher outside the lab may have set, and would mislead the torchrun agents and workers inside it
+_LAUNCHER_VARS = ("SLURM_", "TORCHELASTIC_", "MASTER_", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK",
+                  "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE")
+
+
+@dataclass
+class Job:
+    """What to run on the lab's machines, and how.
+
+    Attributes:
+        command: What follows torchrun's options on every machine, e.g. `-m src.cli fit --config ...`.
+        out: The run folder: `machineI.txt` (each machine's output) and `lab.txt` (what the lab did) go there.
+        procs_per_machine: Processes per machine (torchrun's `--nproc-per-node`).
+        min_machines: The fewest machines the job goes on with (torchrun's `--nnodes MIN:N`).
+        max_restarts: torchrun's `--max-restarts` (failures, not membership changes).
+        job_id: torchrun's `--rdzv-id`; the CLI's `--ckpt_path auto` keeps the run in `elastic-<job_id>`.
+        rdzv_conf: torchrun's `--rdzv-conf`, without `is_host` (the lab gives it to machine 0 only).
+        faults: Faults to apply.
+        timeout: Seconds after which the whole job is stopped (None: no limit).
+        echo: Copy machine 0's output to this process's stdout as it comes.
+    """
+
+    command: list[str]
+    out: Path
+    procs_per_machine: int = 1
+    min_machines: int | None = None
+    max_restarts: int = 3
+    job_id: str = "lab"
+    rdzv_conf: str = RDZV_CONF
+    faults: list[Fault] = field(default_factory=list)
+    timeout: float | None = None
+    echo: bool = True
+
+
+def torchrun_line(lab: Lab, machine: int, job: Job) -> list[str]:
+    """The command that starts `machine`'s torchrun agent, in its namespace and on its cores.
+
+    Every machine gets `--local-addr` with its own address: the namespaces share one hostname, which would
+    otherwise resolve to the same address for every machine and point the workers' MASTER_ADDR at the wrong
+    one. Machine 0 gets `is_host=true`: it holds the rendezvous endpoint's address, but in a namespace that
+    address is not the hostname's, so torchrun would not start the c10d store there by itself.
+    """
+    n = len(lab.machines)
+    host = lab.machines[0].address
+    return [*lab.exec_prefix(machine), sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", f"{job.min_machines or n}:{n}", "--nproc-per-node", str(job.procs_per_machine),
+            "--max-restarts", str(job.max_restarts), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{host}:{RDZV_PORT}", "--rdzv-id", job.job_id,
+            "--rdzv-conf", f"{job.rdzv_conf},is_host={'true' if machine == 0 else 'false'}",
+            "--local-addr", lab.machines[machine].address, *job.command]
+
+
+def machine_env(lab: Lab, machine: int, job: Job, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of `machine`'s agent: gloo on its NIC, its cores shared by its processes as intra-op
+    threads, and a store of the workers' own in every rendezvous round (docs/fault_tolerance.md)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(_LAUNCHER_VARS)}
+    threads = max(len(lab.machines[machine].cores) // job.procs_per_machine, 1)
+    return {**env, "GLOO_SOCKET_IFNAME": NIC, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LAB_MACHINE": str(machine)}
+
+
+def _option(command: list[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in `command` (the last one given), else None."""
+    value = None
+    for i, word in enumerate(command):
+        if word == name and i + 1 < len(command):
+            value = command[i + 1]
+        elif word.startswith(name + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+class StepWatch:
+    """The newest finished step of the job, from `last_step.txt`, which rank 0 rewrites after every step in the
+    run's log folder, `<save_dir>/<model>/<layout>/elastic-<job_id>/`. The save_dir is read from the command
+    (`--trainer.logger.init_args.save_dir`, else `--trainer.default_root_dir`, else `logs`); a file older than
+    the job is passed over, so a previous run of the same job id does not count.
+
+    The lab reads the file from outside, every 0.1 s, so a fault "after step N" hits at the first look that sees
+    step N or later: with steps shorter than that it can be a step or two late (the lab says which step it saw).
+    """
+
+    def __init__(self, job: Job, cwd: Path, started: float) -> None:
+        root = (_option(job.command, "--trainer.logger.init_args.save_dir")
+                or _option(job.command, "--trainer.default_root_dir") or "logs")
+        self.root, self.pattern, self.started = cwd / root, f"*/*/elastic-{job.job_id}/last_step.txt", started
+        self.path: Path | None = None
+
+    def step(self) -> int | None:
+        """The newest finished global step, or None before the first one."""
+        if self.path is None:
+            fresh = [p for p in self.root.glob(self.pattern) if p.stat().st_mtime >= self.started]
+            self.path = fresh[0] if fresh else None
+        try:
+            return int(self.path.read_text()) if self.path is not None else None
+        except (OSError, ValueError):
+            return None
+
+
+def _follow(path: Path, stop: threading.Event) -> None:
+    """Copy what is appended to `path` to stdout until `stop` is set (and then the rest)."""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+            elif stop.is_set():
+                return
+            else:
+                time.sleep(0.2)
+
+
+def exit_status(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a process ended by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def job_status(codes: list[int | None], hit: set[int], timed_out: bool = False) -> int:
+    """The job's exit status from its machines' torchrun return codes.
+
+    Args:
+        codes: Each machine's return code (negative: ended by that signal; None: still running).
+        hit: The machines a fault hit: their codes do not count.
+        timed_out: The job ran past its timeout.
+
+    Returns:
+        124 when timed out, else the first non-zero exit status of a machine no fault hit (machine 0 first, a
+        signal N as 128 + N), else 0.
+    """
+    if timed_out:
+        return 124
+    return next((exit_status(c) for i, c in enumerate(codes) if i not in hit and c), 0)
+
+
+def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = None) -> int:
+    """Start the job on every machine, apply its faults when due, and wait for it to end.
+
+    The job ends when every machine no fault hit has exited; a machine a fault hit that is still running then
+    (a cut-off agent may wait for the rendezvous for minutes) is said so and left to the lab's teardown.
+
+    Args:
+        lab: A lab that is up.
+        job: What to run.
+        say: Reports what the lab does (a line, without the time, which it adds).
+        cwd: Where the command runs (default: the current folder).
+
+    Returns:
+        The job's exit status (`job_status`).
+    """
+    cwd = Path.cwd() if cwd is None else cwd
+    job.out.mkdir(parents=True, exist_ok=True)
+    tic, wall = time.monotonic(), time.time()
+
+    def note(text: str) -> None:
+        say(f"{time.monotonic() - tic:7.1f} s  {text}")
+
+    procs, files = [], []
+    stop = threading.Event()
+    follower = None
+    try:
+        for m in lab.machines:
+            files.append(open(job.out / f"machine{m.index}.txt", "wb"))  # noqa: SIM115  closed below
+            procs.append(subprocess.Popen(torchrun_line(lab, m.index, job), cwd=cwd, stdin=subprocess.DEVNULL,
+                                          env=machine_env(lab, m.index, job), stdout=files[-1],
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        note(f"started torchrun on {len(procs)} machines; their output: {job.out}/machineI.txt")
+        if job.echo:
+            follower = threading.Thread(target=_follow, args=(job.out / "machine0.txt", stop), daemon=True)
+            follower.start()
+        pending, hit = sorted(job.faults, key=lambda f: (f.step is not None, f.seconds or 0, f.step or 0)), {}
+        steps = StepWatch(job, cwd, wall)
+        timed_out = False
+        while any(procs[i].poll() is None for i in range(len(procs)) if i not in hit):
+            elapsed = time.monotonic() - tic
+            if job.timeout is not None and elapsed > job.timeout:
+                note(f"the job ran past --timeout {job.timeout:g} s: stopped")
+                timed_out = True
+                break
+            step = steps.step() if any(f.step is not None for f in pending) else None
+            for fault in [f for f in pending if (f.seconds is not None and elapsed >= f.seconds)
+                          or (f.step is not None and step is not None and step >= f.step)]:
+                pending.remove(fault)
+                hit[fault.machine] = fault
+                if fault.kind == "cut":
+                    lab.cut(fault.machine)
+                    what = "cut off", "its link is down at the switch, its processes keep running"
+                else:
+                    lab.kill(fault.machine)
+                    what = "killed", "all its processes SIGKILLed"
+                at_step = f" (step {step})" if step is not None else ""
+                note(f"machine {fault.machine} {what[0]} {fault.when()}{at_step}: {what[1]}")
+            time.sleep(0.1)
+        for i, p in enumerate(procs):
+            code = p.poll()
+            state = "still running" if code is None else f"exit status {exit_status(code)}"
+            cause = f" (hit by a fault: {hit[i].kind} {hit[i].when()})" if i in hit else ""
+            note(f"machine {i}: {state}{cause}")
+        for fault in pending:
+            note(f"--{fault.kind} {fault.machine} {fault.when()} never came due")
+        return job_status([p.poll() for p in procs], set(hit), timed_out)
+    finally:
+        for i, p in enumerate(procs):
+            if p.poll() is None:
+                lab.kill(i)
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+        stop.set()
+        if follower is not None:
+            follower.join(timeout=5)
+        for f in files:
+            f.close()
