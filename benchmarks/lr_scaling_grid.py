@@ -84,6 +84,10 @@ def _cell(r: dict) -> str:
     return f"{acc:.3f}" if acc is not None else "?"
 
 
+def _number(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 1e4 else f"{x:.3g}"
+
+
 def table(lines: list[dict]) -> str:
     """The records as a Markdown table: one row per rule, run length, accumulation, threads, precision and batch,
     one column per seed (final val acc), then the largest final val loss, the largest absolute weight and the lr.
@@ -105,7 +109,7 @@ def table(lines: list[dict]) -> str:
         tests = [f"{r['test_acc']:.4f}" for r in done if "test_acc" in r]
         cells = [f"{rule} {extra}".strip(), steps, str(accumulate), str(threads), precision, str(batch * accumulate),
                  " ".join(map(str, sorted(lrs))) or "—", *(_cell(runs[s]) if s in runs else "" for s in seeds),
-                 f"{max(losses):.3f}" if losses else "—", f"{max(weights):.3g}" if weights else "—",
+                 _number(max(losses)) if losses else "—", f"{max(weights):.3g}" if weights else "—",
                  " ".join(tests) or "—"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
