@@ -124,11 +124,12 @@ def _max_abs_weight(model: torch.nn.Module) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch,accumulate,seed", [(32, 1, 0), (32, 2, 1), (512, 1, 1), (512, 2, 0)])
+@pytest.mark.parametrize("batch,accumulate,seed", [(32, 1, 0), (32, 2, 1), (512, 2, 0)])
 def test_lenet_quick_try_trains_at_any_batch(grid_data_dir, batch, accumulate, seed):
-    """20 steps of configs/lenet.yaml at global batch 32 to 1,024 (lr 0.035 to 0.2) in float64, two seeds: every
-    loss finite, the weights stay small (about 1 to 4 in the real-data runs; diverged runs reached 1e64) and val
-    loss ends below ln 10, the loss of a uniform guess."""
+    """20 steps of configs/lenet.yaml at global batch 32, 64 and 1,024 (peak lr 0.035, 0.05, 0.2) in float64, two
+    seeds: every loss finite, the weights stay small (about 1 to 4 in the real-data runs; diverged runs reached
+    1e64) and val loss ends below ln 10, the loss of a uniform guess. Batch 512 alone follows nearly the same lr
+    path as 512 x 2 (0.00124 against 0.00125 more per step), which the control below runs under the former rule."""
     model, trainer, losses = quick_try(grid_data_dir, batch, accumulate, seed)
     assert trainer.global_step == 20 and len(losses) == 20 * accumulate
     assert all(math.isfinite(x) for x in losses), losses
