@@ -29,9 +29,23 @@ class ImageClassifier(pl.LightningModule):
         warmup_epochs: Epochs of linear warmup from lr / warmup_steps to lr (may be fractional): warmup_steps =
             int(warmup_epochs x optimizer steps per epoch), at most the run's total steps, so a run cut short by
             `trainer.max_steps` keeps its warmup. "cosine" then decays over the steps left.
-        base_batch_size: Linear scaling rule (Goyal et al. 2017, and d2l.ai's 256 -> lr 0.1, 512 -> lr
-            0.2): when set, the lr used is `lr * global_batch / base_batch_size`, where the global batch is
-            the DataModule's batch_size times accumulate_grad_batches. Logged as the hparam `lr_scaled`.
+        warmup_max_lr_per_step: The most the warmup may raise the lr in one optimizer step, or None for no
+            limit. When set, warmup_steps is at least ceil(peak lr / warmup_max_lr_per_step), whatever the run's
+            length or `warmup_epochs` (also with `warmup_epochs: 0`): the lr of optimizer step k (from 0) is at
+            most (k + 1) x this. The first steps from freshly initialised weights tolerate a lower lr than later
+            ones (Goyal et al. 2017, section 2.2), so a run shorter than this warmup ends within it, below the
+            peak, instead of squeezing the warmup into its own length.
+        base_batch_size: The global batch that `lr` is tuned for. When set, another global batch (the
+            DataModule's batch_size times accumulate_grad_batches) trains at `lr` scaled by `lr_scaling`, capped
+            by `max_lr`; the lr used is logged as the hparam `lr_scaled`. None: `lr` as given (still capped).
+        lr_scaling: How the lr follows the global batch B when `base_batch_size` is set: "linear" trains at
+            `lr * B / base_batch_size` (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; d2l.ai's 256 -> lr
+            0.1, 512 -> 0.2), "sqrt" at `lr * sqrt(B / base_batch_size)` (Krizhevsky 2014, "One weird trick for
+            parallelizing convolutional neural networks"; Hoffer et al. 2017, "Train longer, generalize better"),
+            which keeps the variance of an SGD step's noise as B changes and gives large batches a lower lr than
+            "linear" (and small ones a higher). At B = base_batch_size both give `lr` exactly.
+        max_lr: Upper bound on the lr used after scaling (> 0), or None for no bound: large batches train at
+            most at this lr, as a lr above the recipe's stable range diverges whatever the batch.
         label_smoothing: Cross-entropy label smoothing in [0, 1).
         init: Weight initialisation: "kaiming", "normal" (d2l.ai's N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
@@ -53,6 +67,8 @@ class ImageClassifier(pl.LightningModule):
                  scheduler: Literal["constant", "cosine", "onecycle"] = "constant", warmup_epochs: float = 0.0,
                  label_smoothing: float = 0.0, init: Literal["kaiming", "normal", "default"] = "kaiming",
                  channels_last: bool = False, base_batch_size: int | None = None,
+                 lr_scaling: Literal["linear", "sqrt"] = "linear", max_lr: float | None = None,
+                 warmup_max_lr_per_step: float | None = None,
                  nonfinite_loss: Literal["stop", "skip", "ignore"] = "stop", compile: bool = False,
                  compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default",
                  compile_backend: Literal["inductor", "aot_eager"] = "inductor") -> None:
@@ -65,6 +81,12 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError("model.weight_decay, model.momentum and model.warmup_epochs must be >= 0")
         if base_batch_size is not None and base_batch_size <= 0:
             raise ValueError(f"model.base_batch_size must be a positive integer, got {base_batch_size}")
+        if lr_scaling not in ("linear", "sqrt"):
+            raise ValueError(f"model.lr_scaling must be linear or sqrt, got {lr_scaling!r}")
+        if max_lr is not None and max_lr <= 0:
+            raise ValueError(f"model.max_lr must be > 0 or null, got {max_lr}")
+        if warmup_max_lr_per_step is not None and warmup_max_lr_per_step <= 0:
+            raise ValueError(f"model.warmup_max_lr_per_step must be > 0 or null, got {warmup_max_lr_per_step}")
         self.save_hyperparameters()
         self.skipped_steps = 0
         self.net = self.build_net(num_classes)
@@ -197,12 +219,20 @@ class ImageClassifier(pl.LightningModule):
         return {"probs": probs, "target": y, "index": index}
 
     def scaled_lr(self) -> float:
-        """The lr the optimizer starts from: `lr`, times global_batch / base_batch_size when that is set."""
+        """The peak lr of the schedule: `lr` scaled from `base_batch_size` to the global batch by `lr_scaling`
+        (when `base_batch_size` is set and the trainer has a DataModule with a batch_size), then capped at
+        `max_lr` (when set)."""
         hp = self.hparams
         dm = getattr(attached_trainer(self), "datamodule", None)
-        if hp.base_batch_size is None or dm is None or not hasattr(dm, "batch_size"):
-            return hp.lr
-        return hp.lr * dm.batch_size * self.trainer.accumulate_grad_batches / hp.base_batch_size
+        lr = hp.lr
+        if hp.base_batch_size is not None and dm is not None and hasattr(dm, "batch_size"):
+            accumulate = self.trainer.accumulate_grad_batches
+            if hp.lr_scaling == "sqrt":
+                # sqrt(1.0) == 1.0 exactly: a run at the base batch keeps its lr bitwise
+                lr = hp.lr * math.sqrt(dm.batch_size * accumulate / hp.base_batch_size)
+            else:
+                lr = hp.lr * dm.batch_size * accumulate / hp.base_batch_size  # the order of operations of old runs
+        return lr if hp.max_lr is None else min(lr, hp.max_lr)
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in one training epoch: ceil(training batches / accumulate_grad_batches), counted as
@@ -242,7 +272,7 @@ class ImageClassifier(pl.LightningModule):
             opt = torch.optim.Adam(groups, lr=lr)
         else:
             opt = torch.optim.AdamW(groups, lr=lr)
-        if hp.scheduler == "constant" and hp.warmup_epochs == 0:
+        if hp.scheduler == "constant" and hp.warmup_epochs == 0 and hp.warmup_max_lr_per_step is None:
             return opt
         total = max(1, int(self.trainer.estimated_stepping_batches))
         if hp.scheduler == "onecycle":
@@ -250,6 +280,10 @@ class ImageClassifier(pl.LightningModule):
         else:
             # real epochs, capped at the run: a run cut short by max_steps keeps its warmup (and ends within it)
             warmup = min(total, int(hp.warmup_epochs * self.steps_per_epoch())) if hp.warmup_epochs else 0
+            if hp.warmup_max_lr_per_step is not None:
+                # never faster than the recipe tolerates from its initial weights: a short run, whose warmup would
+                # be squeezed into its length, ends within this longer warmup instead
+                warmup = max(warmup, math.ceil(lr / hp.warmup_max_lr_per_step))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_then(warmup, total, cosine=hp.scheduler == "cosine"))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

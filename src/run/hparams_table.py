@@ -29,8 +29,9 @@ SHOWN = {"run/strategy": STRING, "run/processes": NUMBER, "run/replicas_per_proc
 MORE = {"run/model": STRING, "run/device": STRING, "run/precision": STRING, "run/threads": NUMBER,
         "run/seed": NUMBER, "run/allreduce": STRING, "run/backend": STRING, "run/per_replica_batch": NUMBER,
         "run/split_weights": STRING, "run/torch": STRING, "run/lightning": STRING,
-        "optimizer": STRING, "lr": NUMBER, "lr_scaled": NUMBER, "base_batch_size": NUMBER, "momentum": NUMBER,
-        "nesterov": BOOL, "weight_decay": NUMBER, "scheduler": STRING, "warmup_epochs": NUMBER,
+        "optimizer": STRING, "lr": NUMBER, "lr_scaled": NUMBER, "base_batch_size": NUMBER, "lr_scaling": STRING,
+        "max_lr": NUMBER, "momentum": NUMBER, "nesterov": BOOL, "weight_decay": NUMBER, "scheduler": STRING,
+        "warmup_epochs": NUMBER, "warmup_max_lr_per_step": NUMBER,
         "label_smoothing": NUMBER, "init": STRING, "augment": BOOL, "channels_last": BOOL, "compile": BOOL,
         "compile_mode": STRING, "data_on_device": STRING, "val_size": NUMBER, "split_seed": NUMBER,
         "shuffle_seed": NUMBER}
