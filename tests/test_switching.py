@@ -65,7 +65,8 @@ def test_overlays_change_only_trainer_keys():
 def test_linear_lr_scaling_follows_the_global_batch(fast_args, tmp_path):
     cli = main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--model.init_args.scheduler", "constant",
                 "--model.init_args.warmup_epochs", "0", "--model.init_args.base_batch_size", "32",
-                "--model.init_args.lr", "0.1", "--data.batch_size", "64", "--test_after_fit", "false"])
+                "--model.init_args.lr", "0.1", "--data.batch_size", "64", "--test_after_fit", "false",
+                "--model.init_args.lr_scaling", "linear", "--model.init_args.warmup_max_lr_per_step", "null"])
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.2)  # 0.1 * 64 / 32
     hparams = (tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "hparams.yaml").read_text()
     assert "lr_scaled: 0.2" in hparams and "base_batch_size: 32" in hparams
