@@ -28,13 +28,14 @@ class ImageClassifier(pl.LightningModule):
             OneCycleLR, per step). "constant" and "cosine" start with `warmup_epochs` of linear warmup.
         warmup_epochs: Epochs of linear warmup from lr / warmup_steps to lr (may be fractional): warmup_steps =
             int(warmup_epochs x optimizer steps per epoch), at most the run's total steps, so a run cut short by
-            `trainer.max_steps` keeps its warmup. "cosine" then decays over the steps left.
-        warmup_max_lr_per_step: The most the warmup may raise the lr in one optimizer step, or None for no
-            limit. When set, warmup_steps is at least ceil(peak lr / warmup_max_lr_per_step), whatever the run's
-            length or `warmup_epochs` (also with `warmup_epochs: 0`): the lr of optimizer step k (from 0) is at
-            most (k + 1) x this. The first steps from freshly initialised weights tolerate a lower lr than later
-            ones (Goyal et al. 2017, section 2.2), so a run shorter than this warmup ends within it, below the
-            peak, instead of squeezing the warmup into its own length.
+            `trainer.max_steps` keeps its warmup (unless `warmup_max_lr_per_step` asks for a longer one). "cosine"
+            then decays over the steps left.
+        warmup_max_lr_per_step: The most the warmup of "constant" and "cosine" may raise the lr in one optimizer
+            step, or None for no limit. When set, warmup_steps is at least ceil(peak lr / warmup_max_lr_per_step),
+            whatever the run's length or `warmup_epochs` (also with `warmup_epochs: 0`): the lr of optimizer step
+            k (from 0) is at most (k + 1) x this. The first steps from freshly initialised weights tolerate a
+            lower lr than later ones (Goyal et al. 2017, section 2.2), so a run shorter than this warmup ends
+            within it, below the peak, instead of squeezing the warmup into its own length.
         base_batch_size: The global batch that `lr` is tuned for. When set, another global batch (the
             DataModule's batch_size times accumulate_grad_batches) trains at `lr` scaled by `lr_scaling`, capped
             by `max_lr`; the lr used is logged as the hparam `lr_scaled`. None: `lr` as given (still capped).
