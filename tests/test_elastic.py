@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from src.cli import main
+from tests.helpers.cli_args import RESUMABLE_CALLBACKS as CALLBACKS
+from tests.helpers.cli_args import RESUMABLE_FLOAT64 as COMMON
 from tests.helpers.cli_args import data_args, trainer_args
 from tests.helpers.ports import free_port
 
@@ -27,13 +29,6 @@ OVERLAYS = {"split_allreduce": "configs/strategy/split_allreduce_processes.yaml"
             "ddp": "configs/strategy/ddp_cpu.yaml"}
 # 500 training images in global batches of 50: 10 steps in one epoch; last.ckpt every 4 steps, so a kill after
 # step 6 resumes mid-epoch from step 4 and redoes 2 steps
-CALLBACKS = """trainer:
-  callbacks:
-    - class_path: src.callbacks.EpochReport
-    - class_path: src.callbacks.LastCheckpoint
-      init_args: {every_n_train_steps: 4}
-"""
-COMMON = ["--trainer.precision", "64-true", "--test_after_fit", "false", "--trainer.num_sanity_val_steps", "0"]
 
 
 def _env(node: int) -> dict:

@@ -17,6 +17,8 @@ import torch
 from src.cli import main
 from src.lab import privileges
 from src.lab.network import namespaces
+from tests.helpers.cli_args import RESUMABLE_CALLBACKS as CALLBACKS
+from tests.helpers.cli_args import RESUMABLE_FLOAT64 as COMMON
 from tests.helpers.cli_args import data_args, trainer_args
 
 LACKING = privileges.missing()
@@ -24,13 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(LACKING is not None, reason=L
 
 ROOT = Path(__file__).resolve().parent.parent
 # 500 training images in global batches of 50: 10 steps; last.ckpt at the end holds the final weights
-CALLBACKS = """trainer:
-  callbacks:
-    - class_path: src.callbacks.EpochReport
-    - class_path: src.callbacks.LastCheckpoint
-      init_args: {every_n_train_steps: 4}
-"""
-COMMON = ["--trainer.precision", "64-true", "--test_after_fit", "false", "--trainer.num_sanity_val_steps", "0"]
 
 
 def _lab(args: list[str], command: list[str], timeout: float = 240) -> tuple[int, str]:

@@ -155,8 +155,8 @@ def job_status(codes: list[int | None], hit: set[int], timed_out: bool = False) 
 def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = None) -> int:
     """Start the job on every machine, apply its faults when due, and wait for it to end.
 
-    The job ends when every machine no fault hit has exited; a machine a fault hit that is still running then
-    (a cut-off agent may wait for the rendezvous for minutes) is said so and left to the lab's teardown.
+    The job ends when every machine that was neither cut off nor killed has exited; a cut-off machine still
+    running then (its agent may wait for the rendezvous for minutes) is named and left to the lab's teardown.
 
     Args:
         lab: A lab that is up.

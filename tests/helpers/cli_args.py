@@ -25,3 +25,15 @@ def trainer_args(save_dir: str | Path | None = None, max_epochs: int = 1, train_
 def fast_args(data_dir: str | Path, save_dir: str | Path) -> list[str]:
     """One epoch of 3 training batches (global batch 64) and 2 evaluation batches."""
     return [*data_args(data_dir), *trainer_args(save_dir, train_batches=3)]
+
+
+# A run of the tiny data that a lost process can resume mid-epoch: the epoch line, and last.ckpt every 4 steps
+RESUMABLE_CALLBACKS = """trainer:
+  callbacks:
+    - class_path: src.callbacks.EpochReport
+    - class_path: src.callbacks.LastCheckpoint
+      init_args: {every_n_train_steps: 4}
+"""
+# float64 (to compare with one device), no test after fit, no sanity validation
+RESUMABLE_FLOAT64 = ["--trainer.precision", "64-true", "--test_after_fit", "false", "--trainer.num_sanity_val_steps",
+                     "0"]
