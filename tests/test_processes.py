@@ -104,8 +104,9 @@ MAKERS = {"single": lambda: ("auto", 1), "ddp": lambda: (ddp(), 2),
           "ours 2x2": lambda: (ours(devices=["cpu", "cpu"]), 2)}
 
 
-@pytest.mark.parametrize("first, then", [("ours 2x2", "ddp"), ("ddp", "ours 2x2"), ("ours 2x2", "single"),
-                                         ("single", "ours 2x2")])
+# each way through ours across processes once: saved by it (read by DDP) and read by it (saved on one device);
+# tests/test_switching.py covers ours in one process and DDP both ways
+@pytest.mark.parametrize("first, then", [("ours 2x2", "ddp"), ("single", "ours 2x2")])
 def test_checkpoints_resume_across_strategies(tiny_data_dir, tmp_path, first, then):
     reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, MAKERS[first](), MAKERS[then]())
     assert ckpt["epoch"] == 0 and sorted(ckpt["state_dict"]) == sorted(reference.state_dict())  # today's keys

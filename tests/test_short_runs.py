@@ -117,13 +117,19 @@ def _layout(name: str) -> dict:
             "sync_batchnorm": True}
 
 
+STEPS = 8
+# the shipped recipe's losses stay below 25 over the 8 steps (the first is about 18: large logits at init); the
+# former one, without the warmup, passed 400 at step 2 and 30,000 by step 8
+LOSS_BOUND = 100.0
+
+
 @pytest.mark.parametrize("layout", [
     "single", "ours-1x2", pytest.param("ours-2x1-syncbn", marks=pytest.mark.slow)])
 def test_resnet18_quick_try_trains(tiny_data_dir, tmp_path, layout):
     """configs/resnet18.yaml's recipe (lr 0.1 for its global batch 256, 2 epochs of warmup, cosine over 30 epochs,
-    augmentation) at global batch 32 for 20 steps in float32: every loss is finite. Its warmup now spans the 20
+    augmentation) at global batch 32 for 8 steps in float32: every loss is finite and below 100. Its warmup spans the 8
     steps, towards lr 0.1 x 32 / 256; with the former 1 step of warmup at an unscaled lr 0.1, the loss grew to the
-    thousands within 6 steps and turned NaN (at step 7 on one device)."""
+    hundreds at step 2 and the tens of thousands by step 8 (NaN at step 7 on another CPU)."""
     config = _config("resnet18")
     model_kwargs = {**config["model"]["init_args"], "nonfinite_loss": "ignore"}  # record every loss, NaN or not
     kwargs = _layout(layout)
@@ -131,11 +137,11 @@ def test_resnet18_quick_try_trains(tiny_data_dir, tmp_path, layout):
     if layout != "ours-2x1-syncbn":
         torch.set_num_threads(2)  # one process gets both cores, as the CLI gives it on a quiet 2-core machine
     try:
-        fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=20, batch_size=32, precision="32-true",
+        fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=STEPS, batch_size=32, precision="32-true",
             model_kwargs=model_kwargs, data_kwargs={"augment": config["data"]["augment"]},
             max_epochs=config["trainer"]["max_epochs"], callbacks=[StepLosses(str(tmp_path))], **kwargs)
     finally:
         torch.set_num_threads(threads)
     for rank in range(kwargs.get("devices", 1)):
         losses = torch.load(tmp_path / f"losses{rank}.pt")
-        assert len(losses) == 20 and all(math.isfinite(x) for x in losses), (rank, losses)
+        assert len(losses) == STEPS and all(math.isfinite(x) and x < LOSS_BOUND for x in losses), (rank, losses)
