@@ -21,12 +21,19 @@ from src.timeline.labels import phase
 
 
 def _exchange(send: Tensor, to: int, receive: Tensor, source: int, group: dist.ProcessGroup | None) -> None:
-    """Send `send` to global rank `to` while receiving `receive` from global rank `source`; wait for both."""
+    """Send `send` to global rank `to` while receiving `receive` from global rank `source`; wait for both.
+
+    The receive is posted first. gloo moves a message only once its receiver has announced the buffer, and the
+    announcement travels on the same connection as this process's own outgoing data: posted after the send, it
+    would queue behind that whole message, and on a link that binds the peer would start sending only after it,
+    so that the two directions take turns instead of running at once (measured between two machines at 100 Mbit/s:
+    40 ms instead of 20 for each half of LeNet's gradient).
+    """
     ops = []
-    if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, to, group))
     if receive.numel():
         ops.append(dist.P2POp(dist.irecv, receive, source, group))
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, to, group))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
