@@ -202,8 +202,11 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         if self.exchange is not None:
             self.exchange.remove()
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
+        # with several CPU processes, overlap runs the buckets' exchange beside backward (gloo's send and receive
+        # mostly wait for the network); the GPU path keeps it in the hook, on the device's stream order
+        background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
         self.exchange = GradientExchange([list(r.parameters()) for r in self.replicas], self.algorithm,
-                                         self.bucket_cap_bytes, self.overlap, between)
+                                         self.bucket_cap_bytes, self.overlap, between, background)
 
     def _clone_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
