@@ -47,6 +47,11 @@ def _fit_args(tmp: Path, data_dir: Path) -> list[str]:
             *trainer_args(tmp / "logs", eval_batches=1)]
 
 
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    """The final weights of a job: its last.ckpt, saved at the end of the epoch."""
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
 @pytest.fixture(scope="module")
 def one_device(tiny_data_dir, tmp_path_factory):
     """The final weights of the same training on one device, in this process."""
@@ -56,18 +61,30 @@ def one_device(tiny_data_dir, tmp_path_factory):
     return {k: v.clone() for k, v in cli.model.state_dict().items()}
 
 
-def test_two_machines_of_ours_over_100mbit_equal_one_device(tiny_data_dir, tmp_path, one_device):
+# overlay, its extra options, the run's layout folder and the epoch line's layout words
+LAYOUTS = {
+    "ours-2x1": ("configs/strategy/split_allreduce_processes.yaml", [], "split_allreduce-2x1-cpu",
+                 "2 processes x 1 replica on cpu (1 thread each)"),
+    # both replicas of a machine share its one core
+    "ours-2x2": ("configs/strategy/split_allreduce_processes.yaml",
+                 ["--trainer.strategy.init_args.replicas_per_process", "2"], "split_allreduce-2x2-cpu",
+                 "2 processes x 2 replicas on cpu (1 thread each)"),
+    "ddp": ("configs/strategy/ddp_cpu.yaml", [], "ddp-2x1-cpu", "2 processes x 1 replica on cpu (1 thread each)"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_machines_over_100mbit_equal_one_device(layout, tiny_data_dir, tmp_path, one_device):
+    overlay, extra, folder, words = LAYOUTS[layout]
     tic = time.monotonic()
     code, out = _lab(["--machines", "2", "--link", "100mbit", "--job", "t", "--out", str(tmp_path / "run")],
-                     ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
-                      "configs/strategy/split_allreduce_processes.yaml", "--trainer.devices", "1",
-                      *_fit_args(tmp_path, tiny_data_dir), "--ckpt_path", "auto"])
+                     ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", overlay,
+                      "--trainer.devices", "1", *extra, *_fit_args(tmp_path, tiny_data_dir), "--ckpt_path", "auto"])
     print(f"lab job: {time.monotonic() - tic:.1f} s")
     machine0 = (tmp_path / "run" / "machine0.txt").read_text()
     assert code == 0, out + machine0[-6000:]
-    assert "2 processes x 1 replica on cpu (1 thread each)" in machine0, machine0[-3000:]
-    run = tmp_path / "logs" / "lenet" / "split_allreduce-2x1-cpu" / "elastic-t"
-    weights = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert words in machine0, machine0[-3000:]
+    weights = _weights(tmp_path / "logs" / "lenet" / folder / "elastic-t")
     assert weights.keys() == one_device.keys()
     diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())
     print(f"largest weight difference to one device: {diff:.3g}")
@@ -95,8 +112,7 @@ def test_a_machine_killed_at_a_step_leaves_the_other_to_resume_alone_and_end_as_
     assert "machine 1: exit status 137 (hit by a fault: kill after step 6)" in out
     assert "on 1 process (was 2)" in machine0 and "finished at step 10 on 1 process after restart 1" in machine0, \
         machine0[-3000:]
-    run = tmp_path / "logs" / "lenet" / "split_allreduce-2x1-cpu" / "elastic-k"
-    weights = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    weights = _weights(tmp_path / "logs" / "lenet" / "split_allreduce-2x1-cpu" / "elastic-k")
     diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())
     print(f"{killed.strip()}; largest weight difference to one device: {diff:.3g}")
     assert diff <= 1e-9
