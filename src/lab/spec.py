@@ -160,12 +160,12 @@ def survivors_note(faults: list[Fault], machines: int, min_machines: int | None)
     """A line for a job whose faults leave fewer machines than it needs to go on, else None.
 
     torchrun then restarts the survivors and waits for the lost machines until its rendezvous join timeout
-    (900 s unless `join_timeout` is set in --rdzv-conf), so the job neither goes on nor ends soon.
+    (600 s unless `join_timeout` is set in --rdzv-conf), so the job neither goes on nor ends soon.
     """
     lost = len({f.machine for f in faults})
     least = machines if min_machines is None else min_machines
     if not lost or machines - lost >= least:
         return None
     return (f"note: the faults take {lost} of {machines} machines and the job needs {least} (--min-machines): "
-            "torchrun will wait for the lost ones until its join timeout (900 s unless join_timeout is set in "
+            "torchrun will wait for the lost ones until its join timeout (600 s unless join_timeout is set in "
             f"--rdzv-conf); pass --min-machines {machines - lost} to let the others go on")
