@@ -193,9 +193,10 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
     """Start the job on every machine, apply its faults when due, and wait for it to end.
 
     The job ends when every machine that was neither cut off nor killed has exited. A cut-off machine is then
-    given until `job.cut_grace` seconds after its cut to exit by itself (its agent gives up when its rendezvous
-    store stops answering, docs/fault_tolerance.md); one still running after that, or at `job.timeout`, is
-    named and left to the lab's teardown, which kills it.
+    given until `job.cut_grace` seconds after its cut to exit by itself (its agent does when its machine's TCP
+    gives up on a request to the rendezvous store, docs/fault_tolerance.md); one still running after that, or at
+    `job.timeout`, is named and left to the lab's teardown, which kills it. Each machine's last line
+    (`machine_line`) says how it ended, a cut-off one's also when.
 
     Args:
         lab: A lab that is up.
@@ -266,7 +267,7 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
         # A cut-off machine cannot be told that the job is over: give it until cut_grace after its cut to notice
         # by itself (and not past --timeout), so that the lab shows whether and when it would have stopped.
         cut = [i for i, f in hit.items() if f.kind == "cut" and procs[i].poll() is None]
-        if cut and not timed_out:
+        if not timed_out and any(time.monotonic() < hit_at[i] + job.cut_grace for i in cut):
             which = f"machines {', '.join(map(str, cut))} to exit by themselves" if len(cut) > 1 else \
                 f"machine {cut[0]} to exit by itself"
             note(f"the others have ended; waiting for cut-off {which}, up to {job.cut_grace:g} s after the cut "
@@ -277,11 +278,12 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
             time.sleep(0.1)
         look()
         now = time.monotonic()
-        for i, p in enumerate(procs):
-            note(machine_line(i, p.poll(), hit.get(i), hit_at.get(i), ended.get(i), now))
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):  # one that exited since the last look ended about now
+            note(machine_line(i, code, hit.get(i), hit_at.get(i), ended.get(i, now), now))
         for fault in pending:
             note(f"--{fault.kind} {fault.machine} {fault.when()} never came due")
-        return job_status([p.poll() for p in procs], set(hit), timed_out)
+        return job_status(codes, set(hit), timed_out)
     finally:
         for i, p in enumerate(procs):
             if p.poll() is None:
