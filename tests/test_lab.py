@@ -15,9 +15,10 @@ import pytest
 
 from src.lab import __main__ as lab_cli
 from src.lab import privileges
-from src.lab.job import job_status
+from src.lab.job import job_status, machine_line
 from src.lab.network import Lab, burst_bytes, namespaces, run_ip
-from src.lab.spec import Fault, assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note
+from src.lab.spec import (Fault, assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note,
+                          tcp_give_up_seconds)
 
 ROOT = Path(__file__).resolve().parent.parent
 LACKING = privileges.missing()
@@ -49,6 +50,24 @@ def test_the_job_status_is_the_first_failure_of_a_machine_no_fault_hit():
     assert job_status([0, 1, 2], set()) == 1 and job_status([0, -9, 1], {1}) == 1
     assert job_status([-15, 0], set()) == 143  # a signal, as a shell reports it
     assert job_status([None, None], set(), timed_out=True) == 124
+
+
+def test_each_machine_is_reported_with_its_status_and_a_cut_off_one_with_when_it_ended(capsys):
+    cut, kill = Fault("cut", 2, step=6), Fault("kill", 1, step=6)
+    assert machine_line(0, 0) == "machine 0: exit status 0" and machine_line(0, None) == "machine 0: still running"
+    assert machine_line(1, -9, kill, 10.0, 10.1) == "machine 1: exit status 137 (hit by a fault: kill after step 6)"
+    assert machine_line(2, 1, cut, 10.0, 40.04) == \
+        "machine 2: exit status 1, by itself 30.0 s after the cut (hit by a fault: cut after step 6)"
+    assert machine_line(2, None, cut, 10.0, None, 70.0) == \
+        "machine 2: still running 60.0 s after the cut: killed (hit by a fault: cut after step 6)"
+    assert machine_line(2, 0, cut, 10.0, 9.5) == \
+        "machine 2: exit status 0, ended before the cut (hit by a fault: cut after step 6)"
+    # TCP's give-up time (Linux's tcp_model_timeout): 15, the default, about 15 minutes; 6, 25.4 s
+    assert [tcp_give_up_seconds(n) for n in (1, 6, 9, 15)] == [0.6, 25.4, 204.6, 924.6]
+    for bad in (["run", "--cut-grace", "-1", "--", "x"], ["up", "--tcp-retries2", "0"]):
+        assert lab_cli.main(bad, available=[0, 1]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(("error: --cut-grace -1", "error: --tcp-retries2 0")), err
 
 
 def test_an_oversubscribed_layout_is_refused_unless_asked_for_and_then_said(capsys):
@@ -91,7 +110,7 @@ def _alive(pid: int) -> bool:
 @needs_lab
 def test_two_labs_at_once_have_their_own_names_and_leave_nothing_behind():
     before = _root_links()
-    first, second = Lab([[0], [1]], [10**9, None]), Lab([[0], [1]], [10**8, 10**8])
+    first, second = Lab([[0], [1]], [10**9, None], tcp_retries2=6), Lab([[0], [1]], [10**8, 10**8])
     sleepers = []
     try:
         first.up()
@@ -102,6 +121,9 @@ def test_two_labs_at_once_have_their_own_names_and_leave_nothing_behind():
         assert _root_links() == before  # nothing in the host's own namespace: switch and links live in the lab's
         # the same addresses in both labs: each lab is a network of its own
         assert first.machines[1].address == second.machines[1].address == "198.18.0.2"
+        # every machine has TCP settings of its own: the first lab's give up sooner, the second's are Linux's
+        assert [run_ip("netns", "exec", lab.machines[1].namespace, "cat", "/proc/sys/net/ipv4/tcp_retries2").strip()
+                for lab in (first, second)] == ["6", "15"]
         qdiscs = run_ip("-n", second.switch, "qdisc", "show", "dev", "p1", tool="tc")
         assert "tbf" in qdiscs and "rate 100Mbit" in qdiscs and f"burst {burst_bytes(10**8) // 1024}Kb" in qdiscs
         for lab in (first, second):

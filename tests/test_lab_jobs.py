@@ -1,10 +1,13 @@
 """Jobs in the lab (`python -m src.lab run`): the same torchrun line on every machine, in its namespace, on its
 cores and NIC, every process gone after Ctrl-C; LeNet on 2 machines over a 100 Mbit/s link, through the CLI, equal
-to one device in float64, also when machine 1 is killed after a step and machine 0 goes on alone.
+to one device in float64 under ours (1 or 2 replicas per process) and DDP, also when machine 1 is killed after a
+step and machine 0 goes on alone, and when machine 2 of 3 is cut off after a step: the other two go on, and the
+cut-off machine's processes exit by themselves within a bound.
 
 They need root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; elsewhere they are skipped with what is missing."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +50,11 @@ def _fit_args(tmp: Path, data_dir: Path) -> list[str]:
             *trainer_args(tmp / "logs", eval_batches=1)]
 
 
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    """The final weights of a job: its last.ckpt, saved at the end of the epoch."""
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
 @pytest.fixture(scope="module")
 def one_device(tiny_data_dir, tmp_path_factory):
     """The final weights of the same training on one device, in this process."""
@@ -56,18 +64,30 @@ def one_device(tiny_data_dir, tmp_path_factory):
     return {k: v.clone() for k, v in cli.model.state_dict().items()}
 
 
-def test_two_machines_of_ours_over_100mbit_equal_one_device(tiny_data_dir, tmp_path, one_device):
+# overlay, its extra options, the run's layout folder and the epoch line's layout words
+LAYOUTS = {
+    "ours-2x1": ("configs/strategy/split_allreduce_processes.yaml", [], "split_allreduce-2x1-cpu",
+                 "2 processes x 1 replica on cpu (1 thread each)"),
+    # both replicas of a machine share its one core
+    "ours-2x2": ("configs/strategy/split_allreduce_processes.yaml",
+                 ["--trainer.strategy.init_args.replicas_per_process", "2"], "split_allreduce-2x2-cpu",
+                 "2 processes x 2 replicas on cpu (1 thread each)"),
+    "ddp": ("configs/strategy/ddp_cpu.yaml", [], "ddp-2x1-cpu", "2 processes x 1 replica on cpu (1 thread each)"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_machines_over_100mbit_equal_one_device(layout, tiny_data_dir, tmp_path, one_device):
+    overlay, extra, folder, words = LAYOUTS[layout]
     tic = time.monotonic()
     code, out = _lab(["--machines", "2", "--link", "100mbit", "--job", "t", "--out", str(tmp_path / "run")],
-                     ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
-                      "configs/strategy/split_allreduce_processes.yaml", "--trainer.devices", "1",
-                      *_fit_args(tmp_path, tiny_data_dir), "--ckpt_path", "auto"])
+                     ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config", overlay,
+                      "--trainer.devices", "1", *extra, *_fit_args(tmp_path, tiny_data_dir), "--ckpt_path", "auto"])
     print(f"lab job: {time.monotonic() - tic:.1f} s")
     machine0 = (tmp_path / "run" / "machine0.txt").read_text()
     assert code == 0, out + machine0[-6000:]
-    assert "2 processes x 1 replica on cpu (1 thread each)" in machine0, machine0[-3000:]
-    run = tmp_path / "logs" / "lenet" / "split_allreduce-2x1-cpu" / "elastic-t"
-    weights = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert words in machine0, machine0[-3000:]
+    weights = _weights(tmp_path / "logs" / "lenet" / folder / "elastic-t")
     assert weights.keys() == one_device.keys()
     diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())
     print(f"largest weight difference to one device: {diff:.3g}")
@@ -95,11 +115,62 @@ def test_a_machine_killed_at_a_step_leaves_the_other_to_resume_alone_and_end_as_
     assert "machine 1: exit status 137 (hit by a fault: kill after step 6)" in out
     assert "on 1 process (was 2)" in machine0 and "finished at step 10 on 1 process after restart 1" in machine0, \
         machine0[-3000:]
-    run = tmp_path / "logs" / "lenet" / "split_allreduce-2x1-cpu" / "elastic-k"
-    weights = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    weights = _weights(tmp_path / "logs" / "lenet" / "split_allreduce-2x1-cpu" / "elastic-k")
     diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())
     print(f"{killed.strip()}; largest weight difference to one device: {diff:.3g}")
     assert diff <= 1e-9
+
+
+# A partition of 3 machines on 2 cores. The survivors' blocked collective gives up after the strategy's timeout
+# (20 s); the cut-off agent, blocked in a request to its rendezvous store, after its TCP gives up on the request:
+# 25.4 s after the first unanswered send with tcp_retries2 = 6 (the next retransmission, 50.8 s, when the
+# timeout falls just short), and it sends one within a second of the cut (keep-alives every second). Hence the
+# bound of 60 s from the cut to the cut-off agent's exit, which the lab waits for (--cut-grace).
+PARTITION = ["--machines", "3", "--oversubscribe", "--link", "100mbit", "--min-machines", "2", "--cut", "2@step6",
+             "--tcp-retries2", "6", "--cut-grace", "60", "--job", "p",
+             "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=4"]
+CUT_OFF_AGENT_BOUND_S = 60
+
+
+def _processes_naming(text: str) -> list[str]:
+    """The command lines of the live processes whose command line contains `text`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().decode(errors="replace").replace("\0", " ")
+        except OSError:
+            continue
+        if text in words and cmdline.parent.name != str(os.getpid()):
+            found.append(words)
+    return found
+
+
+def test_a_machine_cut_off_at_a_step_leaves_the_others_to_go_on_as_one_device_and_exits_by_itself(
+        tiny_data_dir, tmp_path, one_device):
+    tic = time.monotonic()
+    code, out = _lab([*PARTITION, "--out", str(tmp_path / "run")],
+                     ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
+                      "configs/strategy/split_allreduce_processes.yaml", "--trainer.devices", "1",
+                      "--trainer.strategy.init_args.timeout", "0:00:20", *_fit_args(tmp_path, tiny_data_dir),
+                      "--ckpt_path", "auto"])
+    print(f"lab job with a partition: {time.monotonic() - tic:.1f} s")
+    machine0 = (tmp_path / "run" / "machine0.txt").read_text()
+    assert code == 0, out + machine0[-6000:]
+    cut = next(line for line in out.splitlines() if "machine 2 cut off after step 6" in line)
+    assert int(cut.split("(step ")[1].split(")")[0]) >= 6 and "its processes keep running" in cut
+    assert "on 2 processes (was 3)" in machine0 and "finished at step 10 on 2 processes after restart 1" in machine0, \
+        machine0[-3000:]
+    assert "machine 0: exit status 0" in out and "machine 1: exit status 0" in out
+    # the cut-off machine's torchrun ended by itself, not by the teardown, within the bound
+    line = next(line for line in out.splitlines() if "machine 2: " in line and "hit by a fault" in line)
+    exited = re.search(r"machine 2: exit status \d+, by itself ([\d.]+) s after the cut", line)
+    assert exited and float(exited[1]) <= CUT_OFF_AGENT_BOUND_S, out
+    weights = _weights(tmp_path / "logs" / "lenet" / "split_allreduce-3x1-cpu" / "elastic-p")
+    diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())
+    print(f"{cut.strip()}; {line.strip()}; largest weight difference to one device: {diff:.3g}")
+    assert diff <= 1e-9
+    assert not any(ns.startswith(_lab_name(out) + "-") for ns in namespaces())
+    assert _processes_naming(str(tmp_path)) == []  # no agent or worker of the job is left waiting
 
 
 def test_each_machine_runs_the_line_on_its_cores_and_nic_and_ctrl_c_kills_every_process_and_removes_the_lab(

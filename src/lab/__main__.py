@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 from src.lab import privileges
-from src.lab.job import RDZV_CONF, Job, run_job
+from src.lab.job import CUT_GRACE, RDZV_CONF, Job, run_job
 from src.lab.network import Lab, LabError
-from src.lab.spec import assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note
+from src.lab.spec import (assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note,
+                          tcp_give_up_seconds)
 
 EXAMPLE = """example:
   python -m src.lab run --machines 2 --link 100mbit -- -m src.cli fit --config configs/lenet.yaml \\
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 1gbit)")
         p.add_argument("--straggler", action="append", default=[], metavar="MACHINE=RATE",
                        help="give one machine another link rate, e.g. 1=100mbit (repeatable)")
+        p.add_argument("--tcp-retries2", type=int, metavar="N",
+                       help="every machine's net.ipv4.tcp_retries2: TCP gives up on unanswered data after N "
+                            "retransmissions, e.g. 6: 25 s (default Linux's 15: about 15 minutes)")
     run.add_argument("--procs-per-machine", type=int, default=1, help="torchrun's --nproc-per-node (default 1)")
     run.add_argument("--min-machines", type=int, help="the fewest machines the job goes on with after a loss "
                                                       "(torchrun's --nnodes MIN:N; default: all of them)")
@@ -54,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cut", action="append", default=[], metavar="MACHINE@WHEN",
                      help="partition a machine: its link goes down, its processes keep running; WHEN is seconds "
                           "after the start (30s) or a step (step6); machines 1 .. N-1 (repeatable)")
+    run.add_argument("--cut-grace", type=float, default=CUT_GRACE, metavar="S",
+                     help="once the other machines have ended, wait until S seconds after its cut for a cut-off "
+                          f"machine to exit by itself, then kill it (default {CUT_GRACE:g}; 0 kills it as soon as the "
+                          "others have ended)")
     run.add_argument("--kill", action="append", default=[], metavar="MACHINE@WHEN",
                      help="SIGKILL every process of a machine, WHEN as for --cut (repeatable)")
     run.add_argument("--timeout", type=float, help="stop the job after this many seconds (exit status 124)")
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None, available: list[int] | None = None) -> i
         cores, oversubscribed = assign_cores(args.machines, args.cores_per_machine,
                                              sorted(os.sched_getaffinity(0)) if available is None else available,
                                              args.oversubscribe)
+        if args.tcp_retries2 is not None:
+            tcp_give_up_seconds(args.tcp_retries2)  # refuses a count below 1
         rates = [parse_rate(args.link)] * args.machines
         for text in args.straggler:
             machine, rate = parse_straggler(text, args.machines)
@@ -102,6 +112,8 @@ def main(argv: list[str] | None = None, available: list[int] | None = None) -> i
             faults += [parse_fault("kill", t, args.machines) for t in args.kill]
             if args.procs_per_machine < 1 or args.max_restarts < 0:
                 raise ValueError("--procs-per-machine must be at least 1 and --max-restarts at least 0")
+            if args.cut_grace < 0:
+                raise ValueError(f"--cut-grace {args.cut_grace:g} is negative: give seconds, 0 or more")
             if args.min_machines is not None and not 1 <= args.min_machines <= args.machines:
                 raise ValueError(f"--min-machines {args.min_machines} is not one of 1 .. {args.machines}")
     except ValueError as e:
@@ -120,7 +132,7 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     lab, log, code = None, None, 1
     try:
-        lab = Lab(cores, rates)
+        lab = Lab(cores, rates, tcp_retries2=args.tcp_retries2)
         out = (args.out or Path("logs") / "lab" / lab.name) if args.action == "run" else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +148,9 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
         say(f"{lab.name}: {len(lab.machines)} machines on a bridge (namespace {lab.switch})")
         for m in lab.machines:
             say(f"  {m.describe()}")
+        if args.tcp_retries2 is not None:
+            say(f"  TCP gives up on unanswered data after {tcp_give_up_seconds(args.tcp_retries2):g} s "
+                f"(net.ipv4.tcp_retries2 = {args.tcp_retries2} on every machine)")
         if oversubscribed:
             say(oversubscribed)
         if args.action == "up":
@@ -147,7 +162,7 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
         if note:
             say(note)
         job = Job(command, out, args.procs_per_machine, args.min_machines, args.max_restarts, args.job or lab.name,
-                  args.rdzv_conf, faults, args.timeout, echo=not args.quiet)
+                  args.rdzv_conf, faults, args.timeout, echo=not args.quiet, cut_grace=args.cut_grace)
         code = run_job(lab, job, say)
         say(f"job ended with exit status {code}")
     except KeyboardInterrupt:

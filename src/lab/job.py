@@ -17,6 +17,9 @@ from src.lab.spec import Fault
 RDZV_PORT = 29400  # every machine has its own port space, so a fixed port never collides with another lab's
 # docs/fault_tolerance.md's settings: a lost node is dropped after 2 missed 1-second keep-alives
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+# seconds after its cut that a cut-off machine gets to exit by itself once the others have ended: none, since with
+# Linux's default TCP settings its agent waits about 15 minutes for its rendezvous store (docs/fault_tolerance.md)
+CUT_GRACE = 0.0
 # what a launcher outside the lab may have set, and would mislead the torchrun agents and workers inside it
 _LAUNCHER_VARS = ("SLURM_", "TORCHELASTIC_", "MASTER_", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK",
                   "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE")
@@ -37,6 +40,8 @@ class Job:
         faults: Faults to apply.
         timeout: Seconds after which the whole job is stopped (None: no limit).
         echo: Copy machine 0's output to this process's stdout as it comes.
+        cut_grace: Seconds after its cut that a cut-off machine is given to exit by itself once the other machines
+            have ended; one still running then is killed (0: killed as soon as the others have ended).
     """
 
     command: list[str]
@@ -49,6 +54,7 @@ class Job:
     faults: list[Fault] = field(default_factory=list)
     timeout: float | None = None
     echo: bool = True
+    cut_grace: float = CUT_GRACE
 
 
 def torchrun_line(lab: Lab, machine: int, job: Job) -> list[str]:
@@ -152,11 +158,45 @@ def job_status(codes: list[int | None], hit: set[int], timed_out: bool = False) 
     return next((exit_status(c) for i, c in enumerate(codes) if i not in hit and c), 0)
 
 
+def machine_line(machine: int, code: int | None, fault: Fault | None = None, hit_at: float | None = None,
+                 ended_at: float | None = None, now: float | None = None) -> str:
+    """The lab's last line about one machine, e.g. `machine 2: exit status 1, by itself 41.3 s after the cut (hit
+    by a fault: cut after step 6)`.
+
+    Args:
+        machine: Its index.
+        code: Its torchrun's return code (negative: ended by that signal; None: still running).
+        fault: The fault that hit it, if any.
+        hit_at: When the fault hit, in seconds on the clock of `ended_at` and `now` (`time.monotonic()`).
+        ended_at: When its torchrun was first seen to have exited, on the same clock.
+        now: The time of the line, on the same clock (for a cut-off machine still running).
+
+    Returns:
+        The line, without the lab's time. A cut-off machine's line says how long after the cut it exited by
+        itself, or how long after the cut it was still running (the teardown then kills it).
+    """
+    cut = fault is not None and fault.kind == "cut" and hit_at is not None
+    if code is None:
+        state = "still running"
+        if cut and now is not None:
+            state += f" {now - hit_at:.1f} s after the cut: killed"
+    else:
+        state = f"exit status {exit_status(code)}"
+        if cut and ended_at is not None:
+            state += (f", by itself {ended_at - hit_at:.1f} s after the cut" if ended_at >= hit_at
+                      else ", ended before the cut")
+    cause = f" (hit by a fault: {fault.kind} {fault.when()})" if fault is not None else ""
+    return f"machine {machine}: {state}{cause}"
+
+
 def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = None) -> int:
     """Start the job on every machine, apply its faults when due, and wait for it to end.
 
-    The job ends when every machine that was neither cut off nor killed has exited; a cut-off machine still
-    running then (its agent may wait for the rendezvous for minutes) is named and left to the lab's teardown.
+    The job ends when every machine that was neither cut off nor killed has exited. A cut-off machine is then
+    given until `job.cut_grace` seconds after its cut to exit by itself (its agent does when its machine's TCP
+    gives up on a request to the rendezvous store, docs/fault_tolerance.md); one still running after that, or at
+    `job.timeout`, is named and left to the lab's teardown, which kills it. Each machine's last line
+    (`machine_line`) says how it ended, a cut-off one's also when.
 
     Args:
         lab: A lab that is up.
@@ -165,7 +205,7 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
         cwd: Where the command runs (default: the current folder).
 
     Returns:
-        The job's exit status (`job_status`).
+        The job's exit status (`job_status`): the cut-off and killed machines' own statuses do not count.
     """
     cwd = Path.cwd() if cwd is None else cwd
     job.out.mkdir(parents=True, exist_ok=True)
@@ -175,6 +215,16 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
         say(f"{time.monotonic() - tic:7.1f} s  {text}")
 
     procs, files = [], []
+    ended: dict[int, float] = {}  # machine -> when its torchrun was first seen to have exited (monotonic s)
+    hit_at: dict[int, float] = {}  # machine -> when its fault hit (monotonic s)
+
+    def look() -> None:
+        """Note the machines whose torchrun has exited since the last look (0.1 s apart)."""
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = now
+
     stop = threading.Event()
     follower = None
     try:
@@ -189,13 +239,15 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
             follower.start()
         pending, hit = sorted(job.faults, key=lambda f: (f.step is not None, f.seconds or 0, f.step or 0)), {}
         steps = StepWatch(job, cwd, wall)
+        deadline = tic + job.timeout if job.timeout is not None else float("inf")
         timed_out = False
         while any(procs[i].poll() is None for i in range(len(procs)) if i not in hit):
-            elapsed = time.monotonic() - tic
-            if job.timeout is not None and elapsed > job.timeout:
+            look()
+            if time.monotonic() > deadline:
                 note(f"the job ran past --timeout {job.timeout:g} s: stopped")
                 timed_out = True
                 break
+            elapsed = time.monotonic() - tic
             step = steps.step() if any(f.step is not None for f in pending) else None
             for fault in [f for f in pending if (f.seconds is not None and elapsed >= f.seconds)
                           or (f.step is not None and step is not None and step >= f.step)]:
@@ -207,17 +259,31 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
                 else:
                     lab.kill(fault.machine)
                     what = "killed", "all its processes SIGKILLed"
+                hit_at[fault.machine] = time.monotonic()
                 at_step = f" (step {step})" if step is not None else ""
                 note(f"machine {fault.machine} {what[0]} {fault.when()}{at_step}: {what[1]}")
             time.sleep(0.1)
-        for i, p in enumerate(procs):
-            code = p.poll()
-            state = "still running" if code is None else f"exit status {exit_status(code)}"
-            cause = f" (hit by a fault: {hit[i].kind} {hit[i].when()})" if i in hit else ""
-            note(f"machine {i}: {state}{cause}")
+        look()
+        # A cut-off machine cannot be told that the job is over: give it until cut_grace after its cut to notice
+        # by itself (and not past --timeout), so that the lab shows whether and when it would have stopped.
+        cut = [i for i, f in hit.items() if f.kind == "cut" and procs[i].poll() is None]
+        if not timed_out and any(time.monotonic() < hit_at[i] + job.cut_grace for i in cut):
+            which = f"machines {', '.join(map(str, cut))} to exit by themselves" if len(cut) > 1 else \
+                f"machine {cut[0]} to exit by itself"
+            note(f"the others have ended; waiting for cut-off {which}, up to {job.cut_grace:g} s after the cut "
+                 "(--cut-grace)")
+        while not timed_out and any(procs[i].poll() is None and time.monotonic() < min(hit_at[i] + job.cut_grace,
+                                                                                    deadline) for i in cut):
+            look()
+            time.sleep(0.1)
+        look()
+        now = time.monotonic()
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):  # one that exited since the last look ended about now
+            note(machine_line(i, code, hit.get(i), hit_at.get(i), ended.get(i, now), now))
         for fault in pending:
             note(f"--{fault.kind} {fault.machine} {fault.when()} never came due")
-        return job_status([p.poll() for p in procs], set(hit), timed_out)
+        return job_status(codes, set(hit), timed_out)
     finally:
         for i, p in enumerate(procs):
             if p.poll() is None:

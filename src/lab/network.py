@@ -99,11 +99,18 @@ class Lab:
         rates: The link rate of each machine in bits/s (None: unshaped).
         name: The lab's name, the prefix of its namespaces (default: "lab", this process id and a count of this
             process's labs, skipping a name that a stale lab of an earlier process with the same id holds).
+        tcp_retries2: Every machine's `net.ipv4.tcp_retries2`, the retransmissions after which its TCP gives up
+            on unanswered data (`src.lab.spec.tcp_give_up_seconds`), or None for Linux's default, 15 (about
+            15 minutes): it decides when a cut-off machine's blocked connections fail.
+
+    Raises:
+        ValueError: Not 1 to 250 machines, cores and rates of different lengths, or tcp_retries2 below 1.
     """
 
     cores: list[list[int]]
     rates: list[int | None]
     name: str | None = None
+    tcp_retries2: int | None = None
     machines: list[Machine] = field(default_factory=list, init=False)
     _made: list[str] = field(default_factory=list, init=False)  # namespaces created so far, in order
 
@@ -111,6 +118,8 @@ class Lab:
         if len(self.cores) != len(self.rates) or not 1 <= len(self.cores) <= 250:
             raise ValueError(f"a lab has 1 to 250 machines, each with cores and a rate ({len(self.cores)} cores "
                              f"lists, {len(self.rates)} rates)")
+        if self.tcp_retries2 is not None and self.tcp_retries2 < 1:
+            raise ValueError(f"tcp_retries2 {self.tcp_retries2} is below 1")
         if self.name is None:
             taken, n = namespaces(), next(_labs)
             while any(ns.startswith(f"lab{os.getpid()}-{n}-") for ns in taken):  # a stale lab of a reused pid
@@ -146,6 +155,11 @@ class Lab:
             for m in self.machines:
                 self._add_namespace(m.namespace)
                 run_ip("-n", m.namespace, "link", "set", "lo", "up")
+                if self.tcp_retries2 is not None:
+                    # `sysctl -w net.ipv4.tcp_retries2=N` in the machine's namespace (each has its own TCP settings),
+                    # written through /proc so that the lab needs no procps
+                    run_ip("netns", "exec", m.namespace, "sh", "-c",
+                           f"echo {int(self.tcp_retries2)} > /proc/sys/net/ipv4/tcp_retries2")
                 run_ip("-n", self.switch, "link", "add", m.port, "type", "veth", "peer", "name", NIC, "netns",
                        m.namespace)
                 run_ip("-n", self.switch, "link", "set", m.port, "master", BRIDGE, "up")

@@ -3,6 +3,7 @@
 Pure functions without side effects, so that bad input is refused before anything is created.
 """
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -31,6 +32,28 @@ def parse_rate(text: str) -> int | None:
     if bits < 8 * 1500 * 10:  # below ~10 full-size frames per second nothing but a trickle gets through
         raise ValueError(f"link rate {text!r} is below 120kbit, too slow for any job")
     return bits
+
+
+TCP_RTO_MIN, TCP_RTO_MAX = 0.2, 120.0  # Linux's bounds on TCP's retransmission timeout, in seconds
+
+
+def tcp_give_up_seconds(retries2: int) -> float:
+    """Seconds after which Linux's TCP gives up on data that gets no acknowledgement, with
+    `net.ipv4.tcp_retries2 = retries2`, counted from the first unanswered send.
+
+    The kernel models the give-up time as retransmissions whose timeout starts at 200 ms and doubles up to
+    120 s (`tcp_model_timeout` in net/ipv4/tcp_timer.c); on a link as short as the lab's the real timeout is
+    200 ms too. 15, Linux's default, gives 924.6 s (about 15.4 minutes); 6 gives 25.4 s.
+
+    Raises:
+        ValueError: `retries2` is below 1.
+    """
+    if retries2 < 1:
+        raise ValueError(f"--tcp-retries2 {retries2}: give 1 or more retransmissions")
+    doublings = int(math.log2(TCP_RTO_MAX / TCP_RTO_MIN))  # 9: 200 ms x 2^9 is the last step below 120 s
+    if retries2 <= doublings:
+        return round(((2 << retries2) - 1) * TCP_RTO_MIN, 3)
+    return round(((2 << doublings) - 1) * TCP_RTO_MIN + (retries2 - doublings) * TCP_RTO_MAX, 3)
 
 
 def format_rate(bits: int | None) -> str:
@@ -137,12 +160,12 @@ def survivors_note(faults: list[Fault], machines: int, min_machines: int | None)
     """A line for a job whose faults leave fewer machines than it needs to go on, else None.
 
     torchrun then restarts the survivors and waits for the lost machines until its rendezvous join timeout
-    (900 s unless `join_timeout` is set in --rdzv-conf), so the job neither goes on nor ends soon.
+    (600 s unless `join_timeout` is set in --rdzv-conf), so the job neither goes on nor ends soon.
     """
     lost = len({f.machine for f in faults})
     least = machines if min_machines is None else min_machines
     if not lost or machines - lost >= least:
         return None
     return (f"note: the faults take {lost} of {machines} machines and the job needs {least} (--min-machines): "
-            "torchrun will wait for the lost ones until its join timeout (900 s unless join_timeout is set in "
+            "torchrun will wait for the lost ones until its join timeout (600 s unless join_timeout is set in "
             f"--rdzv-conf); pass --min-machines {machines - lost} to let the others go on")
