@@ -130,6 +130,9 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
         raise Stopped(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C tears the lab down even when the lab was started with SIGINT ignored, as a shell does for a command it
+    # starts in the background (Python then installs no handler of its own)
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     lab, log, code = None, None, 1
     try:
         lab = Lab(cores, rates, tcp_retries2=args.tcp_retries2)
@@ -182,9 +185,9 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
             code = code or (1 if problems else 0)
         if log is not None:
             log.close()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         for s, h in previous.items():
-            signal.signal(s, h)
+            if h is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(s, h)
     return code
 
 
