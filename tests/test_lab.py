@@ -19,6 +19,7 @@ from src.lab.job import job_status, machine_line
 from src.lab.network import Lab, burst_bytes, namespaces, run_ip
 from src.lab.spec import (Fault, assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note,
                           tcp_give_up_seconds)
+from tests.helpers.lab import remove_labs_of
 
 ROOT = Path(__file__).resolve().parent.parent
 LACKING = privileges.missing()
@@ -167,6 +168,7 @@ def test_the_up_command_tears_everything_down_on_ctrl_c_and_sigterm(signum):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+        remove_labs_of(lab.pid)  # after a failure: what the killed lab command could not tear down
 
 
 SERVER = """

@@ -23,6 +23,7 @@ from src.lab.network import namespaces
 from tests.helpers.cli_args import RESUMABLE_CALLBACKS as CALLBACKS
 from tests.helpers.cli_args import RESUMABLE_FLOAT64 as COMMON
 from tests.helpers.cli_args import data_args, trainer_args
+from tests.helpers.lab import remove_labs_of
 
 LACKING = privileges.missing()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(LACKING is not None, reason=LACKING or "")]
@@ -34,9 +35,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def _lab(args: list[str], command: list[str], timeout: float = 240) -> tuple[int, str]:
     """`python -m src.lab run ARGS --quiet -- COMMAND` from the repository; its exit status and output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "src.lab", "run", *args, "--quiet", "--", *command], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    return done.returncode, done.stdout + done.stderr
+    lab = subprocess.Popen([sys.executable, "-m", "src.lab", "run", *args, "--quiet", "--", *command], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = lab.communicate(timeout=timeout)
+    finally:
+        if lab.poll() is None:  # timed out: the lab command is killed, so its teardown is done here
+            lab.kill()
+            lab.wait()
+            remove_labs_of(lab.pid)
+    return lab.returncode, out
 
 
 def _lab_name(output: str) -> str:
@@ -208,3 +216,4 @@ def test_each_machine_runs_the_line_on_its_cores_and_nic_and_ctrl_c_kills_every_
         if lab.poll() is None:
             lab.kill()
             lab.wait()
+        remove_labs_of(lab.pid)  # after a failure: what the killed lab command could not tear down
