@@ -53,6 +53,10 @@ class GradientExchange:
             backward: The closure; its result is returned.
             grad_norms: Record each replica's gradient norm first; the exchange then waits until after
                 backward, as the norms are of the gradients before it.
+
+        Raises:
+            Exception: What `backward` raised (after every bucket handed to the exchange thread has ended), else
+                the first error of a bucket exchanged on that thread (e.g. a collective that timed out).
         """
         ready = self.readiness if self.readiness is not None and not grad_norms else None
         if ready is not None:

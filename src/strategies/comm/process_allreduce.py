@@ -26,8 +26,8 @@ def _exchange(send: Tensor, to: int, receive: Tensor, source: int, group: dist.P
     The receive is posted first. gloo moves a message only once its receiver has announced the buffer, and the
     announcement travels on the same connection as this process's own outgoing data: posted after the send, it
     would queue behind that whole message, and on a link that binds the peer would start sending only after it,
-    so that the two directions take turns instead of running at once (measured between two machines at 100 Mbit/s:
-    40 ms instead of 20 for each half of LeNet's gradient).
+    so that the two directions take turns instead of running at once (measured between two emulated machines
+    with 100 Mbit/s links, docs/lab.md: 40 ms instead of 20 for each half of LeNet's gradient).
     """
     ops = []
     if receive.numel():
