@@ -34,11 +34,17 @@ LAYOUTS = {
     "ddp 64KB": ["--config", "configs/strategy/ddp_cpu.yaml", "--trainer.strategy.init_args.bucket_cap_mb", "0.0625"],
 }
 BATCH = 256
+# model name: (experiment config, global batch). ResNet-18's 64 images (32 per machine) keep a CPU step near a
+# second on one core.
+MODELS = {"lenet": ("configs/lenet.yaml", 256), "resnet18": ("configs/resnet18.yaml", 64)}
 
 
-def fit_args(out: Path, name: str, batches: int, epochs: int, extra: list[str]) -> list[str]:
-    """The CLI's arguments of one trial: LeNet, global batch 256, `epochs` epochs of `batches` steps."""
-    return ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", *extra, "--data.batch_size", str(BATCH),
+def fit_args(out: Path, name: str, batches: int, epochs: int, extra: list[str], model: str = "lenet",
+             batch: int | None = None) -> list[str]:
+    """The CLI's arguments of one trial: `model` at its global batch (or `batch`), `epochs` epochs of `batches`
+    steps."""
+    config, default_batch = MODELS[model]
+    return ["-m", "src.cli", "fit", "--config", config, *extra, "--data.batch_size", str(batch or default_batch),
             "--trainer.max_epochs", str(epochs), "--trainer.limit_train_batches", str(batches),
             "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
@@ -58,27 +64,31 @@ def last_epoch_s(folder: Path) -> float:
     raise SystemExit(f"no time/epoch_s under {folder}")
 
 
-def one_core(out: Path, name: str, batches: int, epochs: int) -> float:
-    """images/s of 1 process alone on core 0, 1 thread."""
+def one_core(out: Path, name: str, batches: int, epochs: int, model: str = "lenet", batch: int | None = None,
+             extra: tuple[str, ...] = ()) -> float:
+    """images/s of 1 process alone on core 0, 1 thread, at `model`'s global batch (or `batch`)."""
+    batch = batch or MODELS[model][1]
     cmd = ["taskset", "-c", "0", sys.executable, *fit_args(out, name, batches, epochs, [
-        "--config", "configs/strategy/single.yaml", "--threads", "1"])]
+        "--config", "configs/strategy/single.yaml", "--threads", "1", *extra], model, batch)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit("one core failed:\n" + (done.stdout + done.stderr)[-3000:])
-    return batches * BATCH / last_epoch_s(out / name)
+    return batches * batch / last_epoch_s(out / name)
 
 
-def in_lab(out: Path, name: str, rate: str, layout: str, batches: int, epochs: int) -> float:
-    """images/s of `layout` on 2 machines x 1 core at `rate`."""
+def in_lab(out: Path, name: str, rate: str, layout: str, batches: int, epochs: int, model: str = "lenet",
+           extra: tuple[str, ...] = (), layouts: dict[str, list[str]] | None = None) -> float:
+    """images/s of `layout` (a key of `layouts`, default `LAYOUTS`) on 2 machines x 1 core at `rate`."""
+    layouts = layouts or LAYOUTS
     cmd = [sys.executable, "-m", "src.lab", "run", "--machines", "2", "--link", rate, "--quiet",
            "--out", str(out / name / "lab"), "--",
-           *fit_args(out, name, batches, epochs, [*LAYOUTS[layout], "--trainer.devices", "1"])]
+           *fit_args(out, name, batches, epochs, [*layouts[layout], "--trainer.devices", "1", *extra], model)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         machine0 = (out / name / "lab" / "machine0.txt")
         tail = machine0.read_text()[-3000:] if machine0.exists() else ""
         raise SystemExit(f"{layout} at {rate} failed:\n" + (done.stdout + done.stderr)[-2000:] + tail)
-    return batches * BATCH / last_epoch_s(out / name)
+    return batches * MODELS[model][1] / last_epoch_s(out / name)
 
 
 def main() -> None:

@@ -25,3 +25,13 @@ def tiny_data_dir(tmp_path_factory):
 def fast_args(tiny_data_dir, tmp_path):
     """CLI overrides for a run of a few batches on the tiny data, logging under tmp_path."""
     return cli_args.fast_args(tiny_data_dir, tmp_path / "logs")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the tests that start processes of their own (marked slow) first, in their file order.
+
+    The suite runs on two pytest-xdist workers (scripts/test.sh, `--dist worksteal`): each takes half of the
+    collection and, once done, steals from the end of the other's queue. With the long tests at the front the
+    last tests to start are short ones, so neither worker waits long for the other at the end.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -12,11 +12,13 @@ import pytest
 from src.scaling.cost_model import (ALGORITHMS, Compute, Link, allreduce_s, expected_max_normal, fit_alpha_beta,
                                     fit_line, hierarchical_s, predict_step, reduce_broadcast_s, relative_errors,
                                     ring_allreduce_s)
-from src.scaling.forecast import main
+from src.scaling.calibrate import _lab_links, write_lab_links
+from src.scaling.forecast import Paths, Question, main, predict
+from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, shaped
 from src.scaling.network import DDP_BUCKET_BYTES, inspect_network
 from src.scaling.published import bounds_for
 from src.scaling.report import newest_report
-from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration
+from src.scaling.sources import DEFAULT_CALIBRATION, Overrides, load_calibration
 from src.scaling.versions import next_version
 from src.strategies.comm.vocabulary import EXCHANGES
 
@@ -357,3 +359,66 @@ def test_sync_bounds_are_fitted_on_calibration_rows_only(tmp_path):
     shipped = {k: f.bounds for k, f in fit_sync().items()}
     assert refit("held-out") == shipped
     assert refit("calibration") != shipped
+
+
+def _lab_calibration(path):
+    """The tiny calibration plus lab links fitted by `write_lab_links` from exact synthetic timings."""
+    _calibration(path)
+    timings = {key: [[2, n, ring_allreduce_s(2, n, link)] for n in (4096, 2**20, 2**24)]
+               for key, link in (("ring", Link(3e-4, 2e-9)), ("torch", Link(1e-4, 1e-9)))}
+    write_lab_links(str(path), timings, "synthetic host", "synthetic timings")
+    return path
+
+
+def test_lab_links_are_fitted_into_the_calibration_and_kept_by_a_rewrite(tmp_path):
+    cal = load_calibration(str(_lab_calibration(tmp_path / "cal.json")))
+    assert cal["allreduce"]["lab_ring"]["alpha_s"] == pytest.approx(3e-4)
+    assert cal["allreduce"]["lab_ring"]["beta_s_per_byte"] == pytest.approx(2e-9)
+    assert cal["allreduce"]["lab_torch"]["beta_s_per_byte"] == pytest.approx(1e-9)
+    assert cal["allreduce"]["ring"]["alpha_s"] == 2e-4  # this machine's own links are untouched
+    # `python -m src.forecast --calibrate` measures loopback, not the lab: it keeps the lab's entries
+    assert set(_lab_links(str(tmp_path / "cal.json"))) == {"lab_ring", "lab_torch"}
+
+
+def test_a_shaped_link_adds_the_wire_time_of_payload_and_headers():
+    link = shaped(Link(1e-4, 2e-9, 0.0), 100e6)
+    # 100 Mbit/s carries 12.5 MB/s of frames; a gradient byte brings 1547/1448 bytes of frames and ACKs
+    assert link.beta == pytest.approx(2e-9 + 8 / 100e6 * (1514 + 33) / 1448)
+    assert link.alpha == 1e-4
+    with pytest.raises(ValueError, match="link rate must be > 0"):
+        shaped(link, 0)
+
+
+def test_the_lab_preset_predicts_a_step_from_the_unshaped_link_plus_the_rate(tiny, tmp_path):
+    config, _ = tiny
+    cal = _lab_calibration(tmp_path / "lab.json")
+    question = Question(config=str(config), hardware="lab", devices=[1, 2], algorithms=["ring"],
+                        batch_mode="global", batch_size=256)
+    paths = Paths(calibration=str(cal), out=str(tmp_path / "fc"))
+    compute = dict(seconds_per_image=1e-4, overhead_s=0.002)
+    unshaped = predict(question, Overrides(**compute), paths).bands[1].point
+    ours = predict(question, Overrides(link_rate="100mbit", **compute), paths).bands[1].point
+    gloo = predict(question, Overrides(link_rate="100mbit", inter_link="lab-gloo", **compute), paths).bands[1].point
+    n = 516_272  # LeNet's gradient; one 25 MiB bucket; a ring of 2 sends n bytes each way
+    assert unshaped.exchange_s == pytest.approx(2 * 3e-4 + n * 2e-9)
+    wire = n * 8 / 100e6 * WIRE_BYTES_PER_PAYLOAD_BYTE
+    assert ours.exchange_s == pytest.approx(unshaped.exchange_s + wire)
+    assert gloo.exchange_s == pytest.approx(2 * 1e-4 + n * 1e-9 + wire)
+    assert ours.images_per_replica == 128 and ours.hidden_s == 0.0  # no overlap unless asked
+    # smaller buckets: more calls, each paying the latency, and the bytes before the last bucket can overlap
+    small = predict(question, Overrides(link_rate="100mbit", bucket_cap_mb=0.0625, overlap=0.5, **compute), paths)
+    assert small.net.buckets > 1
+    assert small.bands[1].point.exchange_s == pytest.approx(ours.exchange_s + 2 * 3e-4 * (small.net.buckets - 1))
+    assert small.bands[1].point.hidden_s > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "lab", "--link_rate", "fast"], "link rate 'fast': give e.g. 100mbit"),
+    (["--hardware", "lab"], "has no timings of the lab link: measure them as root with `python -m src.lab run"),
+    (["--bucket_cap_mb", "0"], "--bucket_cap_mb must be > 0, got 0.0"),
+])
+def test_bad_lab_input_gives_one_line(tiny, tmp_path, capsys, args, message):
+    config, cal = tiny
+    _assert_one_line_exit_2(capsys, ["--config", str(config), "--calibration", str(cal), "--out",
+                                     str(tmp_path / "fc"), *args], message)
+    assert not (tmp_path / "fc").exists()

@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from src.scaling.cost_model import fit_alpha_beta, fit_line, relative_errors
+from src.scaling.sources import load_calibration
 
 # Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a
 # replica's share of the shipped global batches.
@@ -37,6 +38,8 @@ BATCHES = {"LeNetClassifier": [32, 128, 256], "ResNet18Classifier": [8, 16, 32]}
 DEFAULT_BATCHES = [16, 64]
 # the sizes `python -m benchmarks.forecast_checks allreduce` judges the fit at: timed, but left out of the fit
 CHECK_SIZES = {65_536: "64 KiB", 516_272: "LeNet", 44_684_072: "ResNet-18"}
+# entries measured in the lab (`write_lab_links`), not by `calibrate`
+LAB_KEYS = ("lab_ring", "lab_torch")
 
 
 def _fit_summary(errors: list[float]) -> dict:
@@ -201,13 +204,66 @@ def calibrate(path: str, configs: list[str], processes: list[int], repeats: int)
                   "ring model; compute: a line through the median step times at several batches, one thread",
         "repeats": repeats,
         "seconds_taken": round(time.perf_counter() - started, 1),
-        "allreduce": allreduce,
+        "allreduce": {**_lab_links(path), **allreduce},
         "compute": compute,
     }
+    out = _write(path, cal)
+    print(f"calibration: {out} ({cal['seconds_taken']:.0f} s)")
+    return out
+
+
+def _lab_links(path: str) -> dict:
+    """The lab's link entries (`LAB_KEYS`) of the calibration file at `path`, if any: this machine's
+    calibration does not measure them, so a rewrite keeps them."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in old.get("allreduce", {}).items() if k in LAB_KEYS}
+
+
+def _write(path: str, cal: dict) -> Path:
+    """Write `cal` to `path` through a temporary name, then rename (a reader never sees half a file)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(cal, indent=1) + "\n")
     os.replace(tmp, out)
-    print(f"calibration: {out} ({cal['seconds_taken']:.0f} s)")
     return out
+
+
+def write_lab_links(path: str, samples: dict[str, list[list]], hardware: str, command: str) -> Path:
+    """Fit the lab's links from allreduce timings between emulated machines and store them in the calibration
+    file at `path` (its other entries are kept).
+
+    The lab's machines are network namespaces of one host: unshaped, their link costs what the CPU spends
+    moving and adding the bytes (the kernel's copies through the bridge, gloo's and our buffers), which a
+    shaped link adds its wire time to (`src.scaling.hardware.shaped`).
+
+    Args:
+        path: The calibration file (it must exist: run `python -m src.forecast --calibrate` first).
+        samples: "ring" (ours) and / or "torch" (`dist.all_reduce`) -> [P, bytes, seconds] timings over an
+            unshaped lab link, every size fitted (alpha, beta) on relative error with the ring model.
+        hardware: The host, for the entry (e.g. "2-core AMD EPYC, 2 machines of 1 core").
+        command: The command that measured them.
+
+    Returns:
+        The file written.
+
+    Raises:
+        ValueError: The file does not exist, an unknown key, or too few sizes to fit.
+    """
+    cal = load_calibration(path)
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    for key, rows in samples.items():
+        if key not in ("ring", "torch"):
+            raise ValueError(f"unknown implementation {key!r}: give ring or torch timings")
+        alpha, beta = fit_alpha_beta(rows)
+        what = ("our point-to-point ring" if key == "ring" else "dist.all_reduce") + " between unshaped lab machines"
+        entry = {"what": what, "alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_GB_s": 1e-9 / beta,
+                 "fit": _fit_summary(relative_errors(rows, alpha, beta)), "date": date, "hardware": hardware,
+                 "command": command, "samples": rows}
+        cal.setdefault("allreduce", {})[f"lab_{key}"] = entry
+        print(f"fit {what}: alpha {alpha * 1e6:.1f} us, {1e-9 / beta:.2f} GB/s, relative error rms "
+              f"{entry['fit']['rms_rel_err']:.0%} over {len(rows)} timings", flush=True)
+    return _write(path, cal)

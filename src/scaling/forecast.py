@@ -23,10 +23,11 @@ from typing import Literal
 
 import yaml
 
-from src.scaling.cost_model import ALGORITHMS, Compute, Link, Links, predict_band
+from src.lab.spec import format_rate, parse_rate
+from src.scaling.cost_model import ALGORITHMS, BandPrediction, Compute, Link, Links, predict_band
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
-from src.scaling.hardware import hardware_preset
-from src.scaling.network import Network, custom_network, inspect_network
+from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, shaped
+from src.scaling.network import DDP_BUCKET_BYTES, Network, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
@@ -44,7 +45,8 @@ class Question:
     Args:
         config: Experiment config (model.class_path / init_args give the network; data.batch_size the batch).
             Not read when --network_params is given.
-        hardware: Preset name (src/scaling/hardware.py): cpu-2core (calibrated), gpu-pcie3 (give the compute),
+        hardware: Preset name (src/scaling/hardware.py): cpu-2core (calibrated), lab (`python -m src.lab`'s
+            emulated machines of one core: calibrated links, give --link_rate), gpu-pcie3 (give the compute),
             v100-pcie3, v100-nvlink, a100-pcie4, a100-nvlink, h100-nvlink, dgx1-v100 (8 V100, hybrid cube-mesh
             NVLink 2, 4 EDR NICs), dgx2-v100 (16 V100 on NVSwitch, 8 EDR NICs), dgx-a100 (8 A100, 8 HDR NICs),
             dgx-h100 (8 H100, 8 NDR NICs).
@@ -167,6 +169,7 @@ def _compute(question: Question, user: Overrides, device: str, net: Network, bat
 
 def _links(preset, user: Overrides, calibration: str) -> tuple[Links, Links, str, str]:
     """(achieved links, line-rate links, intra note, inter note), with the user's numbers in place."""
+    bits = None if user.link_rate is None else parse_rate(user.link_rate)  # bad input before any file is read
     intra, intra_line, intra_note = resolve_links(user.intra_link or preset.intra, calibration)
     inter, inter_line, inter_note = resolve_links(user.inter_link or preset.inter, calibration)
     if user.nic_gbps is not None:
@@ -183,29 +186,50 @@ def _links(preset, user: Overrides, calibration: str) -> tuple[Links, Links, str
     inter, inter_note_user = user_link(inter, inter_note, user.inter_alpha_s, user.inter_beta_s_per_byte)
     if inter_note_user != inter_note:
         inter_line, inter_note = inter, inter_note_user
+    if bits is not None:
+        inter, inter_line = shaped(inter, bits), shaped(inter_line, bits)
+        inter_note += (f"; shaped to {format_rate(bits)} [user: --link_rate]: plus the wire time of every byte, "
+                       f"{WIRE_BYTES_PER_PAYLOAD_BYTE:.3f} bytes on the wire per gradient byte (TCP/IP and "
+                       "Ethernet headers, the opposite direction's ACKs)")
     nics = user.nics or preset.nics
     if nics is not None and nics < 1:
         raise ValueError(f"--nics must be >= 1, got {nics}")
     return Links(intra, inter, nics), Links(intra_line, inter_line, nics), intra_note, inter_note
 
 
-def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
-    """Predict images/s and efficiency of `question.config` on its hardware for each device count and algorithm.
-
-    Prints one line per prediction (ms/step, images/s, efficiency) and writes forecast.md, forecast.csv and
-    forecast.png into a new <out>/<model>/version_N/ (nothing is written if an input is bad).
+@dataclass(frozen=True)
+class Forecast:
+    """The predictions of one question, before anything is written.
 
     Args:
-        question: Config, hardware preset, device counts, algorithms and batch.
-        user: The user's own numbers, each replacing the preset's or the calibration's.
-        paths: Calibration file, output folder and scaling-report folder.
+        bands: One band per (algorithm, device count), algorithms outer.
+        notes: Every assumption, one line each, with where its number comes from.
+        net: The network predicted for.
+        model: Its name in folder names (the config's stem, or params-N).
+        batch: The batch size (per device or global, per the question's batch mode).
+        epoch_images: Training images per epoch.
+    """
+
+    bands: list[BandPrediction]
+    notes: list[str]
+    net: Network
+    model: str
+    batch: int
+    epoch_images: int
+
+
+def predict(question: Question = Question(), user: Overrides = Overrides(),
+            paths: Paths = Paths()) -> Forecast:
+    """Predict every (algorithm, device count) of `question`, writing nothing.
+
+    Args:
+        question, user, paths: As `run_forecast`.
 
     Returns:
-        The output folder.
+        The predictions and their assumptions.
 
     Raises:
-        ValueError: Unknown preset or link (the valid ones are listed), a device count < 1, a batch size < 1,
-            a missing calibration file (with the command that makes it), or a config without a model.
+        ValueError: As `run_forecast`.
     """
     _check(question)
     preset = hardware_preset(question.hardware)
@@ -216,10 +240,13 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     if batch < 1:
         raise ValueError(f"batch size must be >= 1, got {batch}")
     epoch_images = question.epoch_images or TRAIN_IMAGES - data.get("val_size", 5000)
+    if user.bucket_cap_mb is not None and not user.bucket_cap_mb > 0:
+        raise ValueError(f"--bucket_cap_mb must be > 0, got {user.bucket_cap_mb}")
+    bucket_bytes = round((user.bucket_cap_mb or DDP_BUCKET_BYTES / 2**20) * 2**20)
     if custom:
-        net = custom_network(question.network_params, question.grad_bytes)
+        net = custom_network(question.network_params, question.grad_bytes, bucket_bytes)
     else:
-        net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"))
+        net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"), bucket_bytes)
     per_node = user.devices_per_node or preset.per_node
     if per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {per_node}")
@@ -235,7 +262,6 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
 
     bands = [predict_band(a, d, batch, question.batch_mode, compute, net.gradient_bytes, node_size(d), achieved,
                           line, overlap, messages, bounds) for a in question.algorithms for d in question.devices]
-    rows = [forecast_row(b, epoch_images) for b in bands]
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
     fits = fit_sync()
@@ -266,12 +292,37 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
         "upper jitter and sync bounds, its high end line rates, full overlap and the lower bounds; network "
         "congestion, tree / NVLS algorithms and memory limits are not modelled",
     ]
-    root = next_version(Path(paths.out) / model)
+    return Forecast(bands, notes, net, model, batch, epoch_images)
+
+
+def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
+    """Predict images/s and efficiency of `question.config` on its hardware for each device count and algorithm.
+
+    Prints one line per prediction (ms/step, images/s, efficiency) and writes forecast.md, forecast.csv and
+    forecast.png into a new <out>/<model>/version_N/ (nothing is written if an input is bad).
+
+    Args:
+        question: Config, hardware preset, device counts, algorithms and batch.
+        user: The user's own numbers, each replacing the preset's or the calibration's.
+        paths: Calibration file, output folder and scaling-report folder.
+
+    Returns:
+        The output folder.
+
+    Raises:
+        ValueError: Unknown preset or link (the valid ones are listed), a device count < 1, a batch size < 1,
+            a missing calibration file (with the command that makes it), or a config without a model.
+    """
+    result = predict(question, user, paths)
+    preset = hardware_preset(question.hardware)
+    rows = [forecast_row(b, result.epoch_images) for b in result.bands]
+    root = next_version(Path(paths.out) / result.model)
     root.mkdir(parents=True)
-    measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / model,
+    custom = question.network_params is not None
+    measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / result.model,
                                                                        "cpu" if preset.device == "cpu" else "gpu")
-    title = f"{model} on {question.hardware}: batch {batch} {question.batch_mode.replace('_', '-')}"
-    write_markdown(rows, notes, root, title, str(measured_from) if measured_from else "")
+    title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
+    write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "")
     write_csv(rows, root)
     write_plot(rows, root, title, measured)
     for r in rows:

@@ -128,7 +128,39 @@ CALIBRATED_LINKS = {
     "gloo-loopback": ("torch", "gloo over loopback TCP: dist.all_reduce (what DDP uses on the CPU)"),
     "gloo-loopback-ours": ("ring", "gloo over loopback TCP: our point-to-point ring (split_allreduce between "
                                    "processes)"),
+    "lab": ("lab_ring", "gloo between the lab's emulated machines, unshaped: our point-to-point ring "
+                        "(split_allreduce between processes)"),
+    "lab-gloo": ("lab_torch", "gloo between the lab's emulated machines, unshaped: dist.all_reduce (DDP, and "
+                              "split_allreduce with process_allreduce: torch)"),
 }
+
+# What a shaped link carries per byte of gradient, in the lab's TCP over Ethernet (MTU 1500, Linux's default TCP
+# timestamps): each 1448-byte segment of payload travels in a 1514-byte frame (14 Ethernet + 20 IP + 32 TCP
+# header bytes), and the same link carries the ACKs of the opposite direction's data, a 66-byte frame per two
+# segments (Linux's delayed ACK), since a ring sends both ways at once. tc's tbf counts every one of them.
+WIRE_BYTES_PER_PAYLOAD_BYTE = (1514 + 66 / 2) / 1448
+
+
+def shaped(link: Link, rate_bits: float) -> Link:
+    """`link` behind a NIC shaped to `rate_bits` bits/s: each byte costs its CPU cost plus its wire time.
+
+    An unshaped lab link costs only what the CPU spends moving bytes (calibrated as beta); shaping adds
+    8 · WIRE_BYTES_PER_PAYLOAD_BYTE / rate seconds per gradient byte. The two are added, not overlapped: gloo
+    and the kernel copy a message before and after it is on the wire.
+
+    Args:
+        link: The unshaped link (alpha seconds, beta seconds per byte).
+        rate_bits: The NIC's rate in bits per second, > 0.
+
+    Returns:
+        The shaped link (same alpha and gamma).
+
+    Raises:
+        ValueError: A rate <= 0.
+    """
+    if not rate_bits > 0:
+        raise ValueError(f"link rate must be > 0 bits/s, got {rate_bits}")
+    return Link(link.alpha, link.beta + 8 * WIRE_BYTES_PER_PAYLOAD_BYTE / rate_bits, link.gamma)
 
 
 @dataclass(frozen=True)
@@ -218,6 +250,9 @@ HARDWARE: dict[str, HardwarePreset] = {h.name: h for h in [
     HardwarePreset("dgx-h100", "h100", "nvlink-h100", "ib-ndr", 8, 8,
                    "NVIDIA DGX H100: 8 H100 SXM5 on NVSwitch (NVLink 4), 8 x 400 Gb/s InfiniBand NDR "
                    "(https://www.nvidia.com/en-us/data-center/dgx-h100/)"),
+    HardwarePreset("lab", "cpu", "lab", "lab", 1, None,
+                   "the lab (python -m src.lab): emulated machines of one core each, one process of one thread "
+                   "per machine, joined by a bridge; give the NIC's rate with --link_rate"),
 ]}
 
 

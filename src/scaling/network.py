@@ -21,7 +21,8 @@ class Network:
         train_flops_per_image: Forward + backward FLOPs of one 28x28 image, counted from conv and dense layers
             (2 per multiply-add, backward = 2x forward); BatchNorm, activations and pooling are left out.
         last_bucket_share: Share of the gradient bytes in the bucket that holds the first layer's gradient,
-            the last one backward fills, with 25 MiB buckets filled in reverse parameter order.
+            the last one backward fills, with buckets (25 MiB unless asked otherwise) filled in reverse
+            parameter order.
         buckets: Number of such buckets (one allreduce call each).
         gradient_dtypes: Names of the gradients' dtypes, e.g. ("float32",).
     """
@@ -35,32 +36,34 @@ class Network:
     gradient_dtypes: tuple[str, ...] = ("float32",)
 
 
-def custom_network(parameters: int, grad_bytes: int = 4) -> Network:
+def custom_network(parameters: int, grad_bytes: int = 4, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
     """A network known only by its parameter count: its gradient, buckets and overlap share from that.
 
     Args:
         parameters: Trainable parameters.
         grad_bytes: Bytes per allreduced gradient element (4 for float32).
+        bucket_bytes: Bucket size in bytes (default 25 MiB).
 
     Returns:
-        The network: 25 MiB buckets over parameters x grad_bytes bytes, the last one (which backward fills
-        last) assumed to hold an equal share; no FLOPs (its compute must be given).
+        The network: buckets of `bucket_bytes` over parameters x grad_bytes bytes, the last one (which backward
+        fills last) assumed to hold an equal share; no FLOPs (its compute must be given).
     """
     n_bytes = parameters * grad_bytes
-    buckets = max(1, -(-n_bytes // DDP_BUCKET_BYTES))
+    buckets = max(1, -(-n_bytes // bucket_bytes))
     return Network(f"a network of {parameters:,} parameters", parameters, n_bytes, 0.0, 1.0 / buckets, buckets,
                    (f"{grad_bytes}-byte",))
 
 
-def inspect_network(class_path: str, init_args: dict | None = None) -> Network:
+def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
     """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
 
-    The buckets are those of `src.strategies.comm.buckets.bucket_indices` at 25 MiB, the plan that
+    The buckets are those of `src.strategies.comm.buckets.bucket_indices` at `bucket_bytes`, the plan that
     split_allreduce exchanges and that matches DDP's for a network of one dtype.
 
     Args:
         class_path: e.g. src.models.classifier.ResNet18Classifier.
         init_args: Its keyword arguments (from the config).
+        bucket_bytes: Bucket size in bytes (default 25 MiB, DDP's bucket_cap_mb).
 
     Returns:
         The network's numbers.
@@ -92,7 +95,7 @@ def inspect_network(class_path: str, init_args: dict | None = None) -> Network:
         net.eval()(torch.zeros(1, 1, 28, 28, dtype=next(net.parameters()).dtype))
     for h in handles:
         h.remove()
-    buckets = bucket_indices(params, DDP_BUCKET_BYTES)
+    buckets = bucket_indices(params, bucket_bytes)
     # the first layer's gradient is the last one backward produces: its bucket can only be sent after backward
     last = next(bucket for bucket in buckets if 0 in bucket)
     dtypes = tuple(dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params))

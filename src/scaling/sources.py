@@ -39,6 +39,12 @@ class Overrides:
             DGX H100). NCCL spreads its rings over all of them.
         nic_gbps: Line rate of one NIC in Gb/s (e.g. 100 EDR, 200 HDR, 400 NDR); its achieved bandwidth is
             assumed to be the same share of the line rate as the preset's inter-node link achieves.
+        link_rate: Rate each machine's NIC is shaped to, in tc's notation (100mbit, 1gbit), as `python -m
+            src.lab --link` shapes it: each byte between nodes then costs the link's own (CPU) cost plus its
+            wire time, headers included (`src.scaling.hardware.shaped`). Meant for the lab preset, whose
+            calibrated link is the unshaped one.
+        bucket_cap_mb: Gradient bucket size in MiB (DDP's and split_allreduce's bucket_cap_mb): sets the
+            allreduce calls per step and the share of bytes backward produces before its last bucket; default 25.
     """
 
     devices_per_node: int | None = None
@@ -54,6 +60,8 @@ class Overrides:
     messages: int | None = None
     nics: int | None = None
     nic_gbps: float | None = None
+    link_rate: str | None = None
+    bucket_cap_mb: float | None = None
 
 
 def load_calibration(path: str) -> dict:
@@ -119,13 +127,17 @@ def resolve_links(name: str, calibration: str) -> tuple[Link, Link, str]:
     if name in CALIBRATED_LINKS:
         key, description = CALIBRATED_LINKS[name]
         cal = load_calibration(calibration)
+        if key not in cal.get("allreduce", {}):
+            raise ValueError(f"{calibration} has no timings of the {name} link: measure them as root with "
+                             "`python -m src.lab run --machines 2 --link none -- benchmarks/lab_allreduce.py "
+                             f"--calibration {calibration}`")
         fit = cal["allreduce"][key]
         link = Link(fit["alpha_s"], fit["beta_s_per_byte"])
         return link, link, (
             f"{description}: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {1e-9 / fit['beta_s_per_byte']:.2f} "
             f"GB/s [measured: least squares over {len(fit['samples'])} timings, relative error rms "
-            f"{fit['fit']['rms_rel_err']:.0%}, max {fit['fit']['max_rel_err']:.0%}; {cal['hardware']}, "
-            f"{cal['date']}, {calibration}]")
+            f"{fit['fit']['rms_rel_err']:.0%}, max {fit['fit']['max_rel_err']:.0%}; "
+            f"{fit.get('hardware', cal['hardware'])}, {fit.get('date', cal['date'])}, {calibration}]")
     raise ValueError(f"unknown link {name!r}; choose one of: {', '.join(link_names())}")
 
 

@@ -1,0 +1,197 @@
+"""Measured next to predicted: LeNet or ResNet-18 on 2 emulated machines of one core each, per link and layout.
+
+    python -m benchmarks.lab_table --model lenet --rounds 3 --json /tmp/lenet.json        # as root, real data
+    python -m benchmarks.lab_table --model resnet18 --rounds 1 --batches 4 --json /tmp/resnet18.json
+    python -m benchmarks.lab_table --from-json /tmp/lenet.json                            # the table again
+
+Measures, like `benchmarks/lab_scaling.py` (whose runs it reuses):
+
+* one core (1 process alone on core 0, 1 thread) at the global batch B and at B / 2, every round: images/s at B
+  is the speedup's baseline, and the two step times give the predictor its compute (a line through them: fixed
+  seconds per step and seconds per image of one replica);
+* every rate and layout in the lab, every round;
+
+each as the median step time of one epoch (`benchmarks/step_times.py`, the first 5 steps left out), and
+images/s = B / that;
+* once per rate and layout, a short run with the step timeline (`src.callbacks.StepTimeline`): exposed and
+  hidden communication per step, the medians of its `breakdown.csv` over both ranks.
+
+Then asks the predictor (`src.scaling.forecast.predict`, see `predicted`) for the same model, layout and link, with the
+compute of the one-core runs, and prints one markdown table: measured images/s (median over rounds), speedup
+over one core (median of the rounds' ratios), step ms, exposed communication ms, and the predicted step and
+images/s with the relative error. `--json` keeps every raw figure, so `--from-json` can print the table again
+without measuring.
+"""
+
+import argparse
+import csv
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from benchmarks.lab_scaling import MODELS, PROCESSES, in_lab, one_core
+
+STEP_TIMES = ("--trainer.callbacks+=benchmarks.step_times.StepTimes",)
+
+SMALL_BUCKET_MB = {"lenet": 0.0625, "resnet18": 4.0}  # the second bucket size: several buckets per step
+
+
+def layouts(model: str) -> dict[str, list[str]]:
+    """The table's layouts for `model`: ours ring and torch, overlap, DDP; the default and a small bucket."""
+    mb = SMALL_BUCKET_MB[model]
+    small = f"{mb * 1024:g}KB" if mb < 1 else f"{mb:g}MB"
+    bucket = ["--trainer.strategy.init_args.bucket_cap_mb", str(mb)]
+    overlap = ["--trainer.strategy.init_args.overlap", "true"]
+    return {
+        "ours": ["--config", PROCESSES],
+        f"ours {small}": ["--config", PROCESSES, *bucket],
+        f"ours overlap {small}": ["--config", PROCESSES, *overlap, *bucket],
+        "ours torch": ["--config", PROCESSES, "--trainer.strategy.init_args.process_allreduce", "torch"],
+        "ddp": ["--config", "configs/strategy/ddp_cpu.yaml"],
+        f"ddp {small}": ["--config", "configs/strategy/ddp_cpu.yaml", *bucket],
+    }
+
+
+def timeline_config(folder: Path, start: int, steps: int) -> Path:
+    """A config that appends the step timeline for steps start .. start + steps - 1."""
+    path = folder / "timeline.yaml"
+    path.write_text("trainer:\n  callbacks+:\n    - class_path: src.callbacks.StepTimeline\n"
+                    f"      init_args: {{start_step: {start}, steps: {steps}}}\n")
+    return path
+
+
+def breakdown(folder: Path) -> dict[str, float]:
+    """Medians over ranks of the step, compute, exposed and hidden communication (ms) in `breakdown.csv`."""
+    found = sorted(folder.rglob("breakdown.csv"))
+    if not found:
+        raise SystemExit(f"no breakdown.csv under {folder}")
+    rows = list(csv.DictReader(found[-1].open()))
+    return {key: statistics.median(float(r[f"{key}_ms"]) for r in rows)
+            for key in ("step", "compute", "communication", "hidden_communication")}
+
+
+def median_step_s(folder: Path) -> float:
+    """The median of the step times that `benchmarks/step_times.py` wrote under `folder`, in seconds."""
+    found = sorted(folder.rglob("step_times.json"))
+    if not found:
+        raise SystemExit(f"no step_times.json under {folder}")
+    return statistics.median(json.loads(found[-1].read_text()))
+
+
+def measure(model: str, rates: list[str], names: list[str], rounds: int, batches: int,
+            timeline_steps: tuple[int, int]) -> dict:
+    """Every measurement of the table, as plain data (see the module docstring)."""
+    batch = MODELS[model][1]
+    table = layouts(model)
+    result: dict = {"model": model, "batch": batch, "batches": batches, "one_core": [], "one_core_half": [],
+                    "lab": {f"{r}|{n}": [] for r in rates for n in names}, "timeline": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for i in range(rounds):
+            for key, name, size in (("one_core", f"r{i}-one", batch), ("one_core_half", f"r{i}-half", batch // 2)):
+                one_core(out, name, batches, 1, model, size, STEP_TIMES)
+                result[key].append(size / median_step_s(out / name))
+            print(f"round {i}: one core {result['one_core'][-1]:,.1f} images/s at {batch}, "
+                  f"{result['one_core_half'][-1]:,.1f} at {batch // 2}", flush=True)
+            for rate in rates:
+                for name in names:
+                    run = f"r{i}-{rate}-{name.replace(' ', '_')}"
+                    in_lab(out, run, rate, name, batches, 1, model, STEP_TIMES, table)
+                    value = batch / median_step_s(out / run)
+                    result["lab"][f"{rate}|{name}"].append(value)
+                    print(f"round {i}: {rate} {name} {value:,.1f} images/s", flush=True)
+        start, steps = timeline_steps
+        extra = ("--config", str(timeline_config(out, start, steps)))
+        for rate in rates:
+            for name in names:
+                run = f"t-{rate}-{name.replace(' ', '_')}"
+                in_lab(out, run, rate, name, start + steps + 1, 1, model, extra, table)
+                result["timeline"][f"{rate}|{name}"] = breakdown(out / run)
+                print(f"timeline: {rate} {name} {result['timeline'][f'{rate}|{name}']}", flush=True)
+    return result
+
+
+def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_image: float):
+    """The predictor's step (`src.scaling.cost_model.StepPrediction`, the point of its range) for `name` on 2 lab
+    machines at `rate`, given one replica's compute.
+
+    The predictor's inputs, as `python -m src.forecast` takes them: `--hardware lab`, `--link_rate RATE`,
+    `--inter_link lab-gloo` for `dist.all_reduce` (DDP, ours torch), `--bucket_cap_mb` for the small buckets,
+    and `--overlap` for the layouts that exchange buckets during backward (DDP, ours with overlap). On one core
+    only the wire time of a bucket can pass during backward, not the CPU's cost of moving it, so the overlap
+    share is (bytes outside the last bucket) x (wire time / exchange time), both from the predictor itself.
+    """
+    from src.scaling.forecast import Paths, Question, predict
+    from src.scaling.sources import Overrides
+
+    question = Question(config=MODELS[model][0], hardware="lab", devices=[2], algorithms=["ring"],
+                        batch_mode="global", batch_size=MODELS[model][1])
+    small = SMALL_BUCKET_MB[model] if name.split()[-1] not in ("ours", "torch", "ddp") else None
+    base = dict(seconds_per_image=seconds_per_image, overhead_s=overhead_s, bucket_cap_mb=small,
+                inter_link="lab-gloo" if name.startswith("ddp") or "torch" in name else "lab")
+    shaped = dict(base, link_rate=None if rate == "none" else rate)
+    first = predict(question, Overrides(**shaped), Paths())
+    if not (name.startswith("ddp") or "overlap" in name):
+        return first.bands[0].point
+    unshaped = predict(question, Overrides(**base), Paths()).bands[0].point.exchange_s
+    exchange = first.bands[0].point.exchange_s
+    share = (1 - first.net.last_bucket_share) * (exchange - unshaped) / exchange
+    return predict(question, Overrides(**shaped, overlap=share), Paths()).bands[0].point
+
+
+def print_table(result: dict) -> None:
+    """The markdown table of `result`, with the predictor's figures next to the measured ones."""
+    model, batch = result["model"], result["batch"]
+    one = statistics.median(result["one_core"])
+    # the predictor's compute: a line through the median one-core step times at B / 2 and B
+    t_full = statistics.median(batch / v for v in result["one_core"])
+    t_half = statistics.median(batch / 2 / v for v in result["one_core_half"])
+    per_image = (t_full - t_half) / (batch / 2)
+    overhead = t_full - batch * per_image
+    print(f"\none core: {one:,.1f} images/s at batch {batch} (median of {len(result['one_core'])}); compute "
+          f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image\n")
+    print("| link | layout | images/s | x one core | step ms | exposed comm ms (hidden) | predicted step ms "
+          "| predicted exposed comm ms (hidden) | predicted x one core | step error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key, values in result["lab"].items():
+        rate, name = key.split("|")
+        ips = statistics.median(values)
+        speedup = statistics.median(v / b for v, b in zip(values, result["one_core"]))
+        tl = result["timeline"].get(key)
+        p = predicted(model, name, rate, overhead, per_image)
+        step_ms = batch / ips * 1e3
+        err = (p.step_s * 1e3 - step_ms) / step_ms
+        comm = f"{tl['communication']:.1f} ({tl['hidden_communication']:.1f})" if tl else "-"
+        print(f"| {rate} | {name} | {ips:,.0f} | {speedup:.2f} | {step_ms:.1f} | {comm} | {p.step_s * 1e3:.1f} | "
+              f"{(p.exchange_s - p.hidden_s) * 1e3:.1f} ({p.hidden_s * 1e3:.1f}) | {p.images_per_s / one:.2f} | "
+              f"{err:+.0%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="lenet", choices=list(MODELS))
+    parser.add_argument("--rates", default="none,1gbit,100mbit", help="link rates, comma-separated (tc notation)")
+    parser.add_argument("--layouts", help="comma-separated layout names (default all of the model's)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=80, help="training steps timed per trial (plus 5)")
+    parser.add_argument("--timeline", default="20,5", help="first recorded step and steps recorded, e.g. 20,5")
+    parser.add_argument("--json", type=Path, help="write every raw figure here")
+    parser.add_argument("--from-json", type=Path, help="print the table of an earlier --json; measure nothing")
+    args = parser.parse_args()
+    if args.from_json:
+        print_table(json.loads(args.from_json.read_text()))
+        return
+    names = args.layouts.split(",") if args.layouts else list(layouts(args.model))
+    unknown = [n for n in names if n not in layouts(args.model)]
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; choose from {list(layouts(args.model))}")
+    start, steps = (int(x) for x in args.timeline.split(","))
+    result = measure(args.model, args.rates.split(","), names, args.rounds, args.batches + 5, (start, steps))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
