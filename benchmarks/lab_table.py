@@ -112,15 +112,18 @@ def measure(model: str, rates: list[str], names: list[str], rounds: int, batches
     return result
 
 
-def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_image: float):
+def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_image: float,
+              sync_overhead: float | None = None):
     """The predictor's step (`src.scaling.cost_model.StepPrediction`, the point of its range) for `name` on 2 lab
     machines at `rate`, given one replica's compute.
 
     The predictor's inputs, as `python -m src.forecast` takes them: `--hardware lab`, `--link_rate RATE`,
     `--inter_link lab-gloo` for `dist.all_reduce` (DDP, ours torch), `--bucket_cap_mb` for the small buckets,
-    and `--overlap` for the layouts that exchange buckets during backward (DDP, ours with overlap). On one core
-    only the wire time of a bucket can pass during backward, not the CPU's cost of moving it, so the overlap
-    share is (bytes outside the last bucket) x (wire time / exchange time), both from the predictor itself.
+    `--sync_overhead`, and `--overlap` for the layouts that exchange buckets during backward (DDP, ours with
+    overlap). On one core the CPU's own cost of moving a bucket's bytes takes the core from backward; only the
+    waiting (the wire, a message's latency) can pass beside it. So the overlap share is (bytes outside the last
+    bucket) x (1 - CPU cost / exchange time), the CPU cost being the unshaped link's per-byte term, both from
+    the predictor itself.
     """
     from src.scaling.forecast import Paths, Question, predict
     from src.scaling.sources import Overrides
@@ -129,15 +132,36 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
                         batch_mode="global", batch_size=MODELS[model][1])
     small = SMALL_BUCKET_MB[model] if name.split()[-1] not in ("ours", "torch", "ddp") else None
     base = dict(seconds_per_image=seconds_per_image, overhead_s=overhead_s, bucket_cap_mb=small,
+                sync_overhead=sync_overhead,
                 inter_link="lab-gloo" if name.startswith("ddp") or "torch" in name else "lab")
     shaped = dict(base, link_rate=None if rate == "none" else rate)
     first = predict(question, Overrides(**shaped), Paths())
     if not (name.startswith("ddp") or "overlap" in name):
         return first.bands[0].point
-    unshaped = predict(question, Overrides(**base), Paths()).bands[0].point.exchange_s
+    cpu = predict(question, Overrides(**base, inter_alpha_s=0.0), Paths()).bands[0].point.exchange_s
     exchange = first.bands[0].point.exchange_s
-    share = (1 - first.net.last_bucket_share) * (exchange - unshaped) / exchange
+    share = (1 - first.net.last_bucket_share) * (1 - cpu / exchange)
     return predict(question, Overrides(**shaped, overlap=share), Paths()).bands[0].point
+
+
+def fit_sync(result: dict, overhead_s: float, seconds_per_image: float) -> tuple[float, list[str]]:
+    """The share of compute the lab's steps add once there are 2 machines, fitted on the unshaped rows without
+    overlap: median over them of (measured step - predicted exposed exchange) / predicted compute - 1, at least 0.
+
+    Returns:
+        (share, the layouts it was fitted on).
+    """
+    batch = result["batch"]
+    shares, names = [], []
+    for key, values in result["lab"].items():
+        rate, name = key.split("|")
+        if rate != "none" or name.startswith("ddp ") or "overlap" in name:
+            continue
+        p = predicted(result["model"], name, rate, overhead_s, seconds_per_image, 0.0)
+        step = statistics.median(batch / v for v in values)
+        shares.append((step - (p.exchange_s - p.hidden_s)) / p.compute_s - 1)
+        names.append(name)
+    return max(0.0, statistics.median(shares)), names
 
 
 def print_table(result: dict) -> None:
@@ -149,8 +173,10 @@ def print_table(result: dict) -> None:
     t_half = statistics.median(batch / 2 / v for v in result["one_core_half"])
     per_image = (t_full - t_half) / (batch / 2)
     overhead = t_full - batch * per_image
+    sync, fitted_on = fit_sync(result, overhead, per_image)
     print(f"\none core: {one:,.1f} images/s at batch {batch} (median of {len(result['one_core'])}); compute "
-          f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image\n")
+          f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image; sync overhead {sync:.1%}, fitted on "
+          f"the unshaped rows of {', '.join(fitted_on)}\n")
     print("| link | layout | images/s | x one core | step ms | exposed comm ms (hidden) | predicted step ms "
           "| predicted exposed comm ms (hidden) | predicted x one core | step error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -159,7 +185,7 @@ def print_table(result: dict) -> None:
         ips = statistics.median(values)
         speedup = statistics.median(v / b for v, b in zip(values, result["one_core"]))
         tl = result["timeline"].get(key)
-        p = predicted(model, name, rate, overhead, per_image)
+        p = predicted(model, name, rate, overhead, per_image, sync)
         step_ms = batch / ips * 1e3
         err = (p.step_s * 1e3 - step_ms) / step_ms
         comm = f"{tl['communication']:.1f} ({tl['hidden_communication']:.1f})" if tl else "-"

@@ -410,12 +410,18 @@ def test_the_lab_preset_predicts_a_step_from_the_unshaped_link_plus_the_rate(tin
     assert small.net.buckets > 1
     assert small.bands[1].point.exchange_s == pytest.approx(ours.exchange_s + 2 * 3e-4 * (small.net.buckets - 1))
     assert small.bands[1].point.hidden_s > 0
+    # your own sync overhead replaces both ends of the published bounds
+    own = predict(question, Overrides(link_rate="100mbit", sync_overhead=0.05, **compute), paths).bands[1]
+    jitter = bounds_for(None).mid()[0]
+    assert own.point.compute_s == pytest.approx((0.002 + 128e-4) * (1 + 0.05 + jitter * expected_max_normal(2)))
+    assert own.high.compute_s < own.point.compute_s < own.low.compute_s  # the jitter bounds still spread it
 
 
 @pytest.mark.parametrize("args, message", [
     (["--hardware", "lab", "--link_rate", "fast"], "link rate 'fast': give e.g. 100mbit"),
     (["--hardware", "lab"], "has no timings of the lab link: measure them as root with `python -m src.lab run"),
     (["--bucket_cap_mb", "0"], "--bucket_cap_mb must be > 0, got 0.0"),
+    (["--sync_overhead", "-0.1"], "--sync_overhead must be >= 0, got -0.1"),
 ])
 def test_bad_lab_input_gives_one_line(tiny, tmp_path, capsys, args, message):
     config, cal = tiny

@@ -24,7 +24,7 @@ from typing import Literal
 import yaml
 
 from src.lab.spec import format_rate, parse_rate
-from src.scaling.cost_model import ALGORITHMS, BandPrediction, Compute, Link, Links, predict_band
+from src.scaling.cost_model import ALGORITHMS, BandPrediction, Bounds, Compute, Link, Links, predict_band
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, shaped
 from src.scaling.network import DDP_BUCKET_BYTES, Network, custom_network, inspect_network
@@ -256,6 +256,10 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     overlap, overlap_note = resolve_overlap(preset.device, net, user.overlap)
     messages = user.messages or net.buckets
     bounds = bounds_for(question.precision)
+    if user.sync_overhead is not None:
+        if not user.sync_overhead >= 0:
+            raise ValueError(f"--sync_overhead must be >= 0, got {user.sync_overhead}")
+        bounds = Bounds(bounds.jitter, (user.sync_overhead, user.sync_overhead))
 
     def node_size(devices: int) -> int:
         return devices // question.nodes if question.nodes else per_node
@@ -283,10 +287,13 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard deviation) "
         "and the step waits for the slowest, E[max of p normals] x that [assumed: p50 and p95 step times of "
         "https://github.com/pytorch/pytorch/blob/main/benchmarks/distributed/ddp/README.md differ by 0 to 5%]",
-        f"sync overhead (data-parallel hooks and bucket copies, processes sharing one host), precision "
-        f"{precision}: {bounds.sync_overhead[0]:.1%} to {bounds.sync_overhead[1]:.1%} of the compute once devices "
-        f"> 1 [published: fitted on the calibration rows of src/scaling/calibration/published_scaling.csv, a "
-        f"{LEVEL:.0%} prediction interval per kind: {sync_fit}]",
+        (f"sync overhead (data-parallel hooks and bucket copies, processes sharing one host): "
+         f"{user.sync_overhead:.1%} of the compute once devices > 1 [user: --sync_overhead]"
+         if user.sync_overhead is not None else
+         f"sync overhead (data-parallel hooks and bucket copies, processes sharing one host), precision "
+         f"{precision}: {bounds.sync_overhead[0]:.1%} to {bounds.sync_overhead[1]:.1%} of the compute once devices "
+         f"> 1 [published: fitted on the calibration rows of src/scaling/calibration/published_scaling.csv, a "
+         f"{LEVEL:.0%} prediction interval per kind: {sync_fit}]"),
         "exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring across "
         "nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no overlap and the "
         "upper jitter and sync bounds, its high end line rates, full overlap and the lower bounds; network "

@@ -43,6 +43,8 @@ class Overrides:
             src.lab --link` shapes it: each byte between nodes then costs the link's own (CPU) cost plus its
             wire time, headers included (`src.scaling.hardware.shaped`). Meant for the lab preset, whose
             calibrated link is the unshaped one.
+        sync_overhead: Your own share (>= 0) of the compute added once devices > 1, e.g. fitted on measured steps
+            of the same machines; replaces both ends of the published bounds.
         bucket_cap_mb: Gradient bucket size in MiB (DDP's and split_allreduce's bucket_cap_mb): sets the
             allreduce calls per step and the share of bytes backward produces before its last bucket; default 25.
     """
@@ -62,6 +64,7 @@ class Overrides:
     nic_gbps: float | None = None
     link_rate: str | None = None
     bucket_cap_mb: float | None = None
+    sync_overhead: float | None = None
 
 
 def load_calibration(path: str) -> dict:

@@ -4,7 +4,8 @@
 of workstations"), the algorithm NCCL and Horovod use: P - 1 reduce-scatter steps, then P - 1 all-gather steps,
 each step every process sending one chunk to its right neighbour and receiving one from its left
 (`dist.batch_isend_irecv`, which works on gloo and NCCL). Every process sends 2(P - 1) chunks of about N / P
-elements, 2(P - 1)/P of the buffer, whatever P: no process is a bottleneck. `torch_allreduce_` is
+elements, 2(P - 1)/P of the buffer, whatever P: no process is a bottleneck. Two processes do it in one step,
+each sending the other its whole buffer (the same bytes, one message latency instead of two). `torch_allreduce_` is
 `dist.all_reduce`, the library's collective, as the reference to measure the ring against.
 """
 
