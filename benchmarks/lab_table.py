@@ -16,11 +16,11 @@ images/s = B / that;
 * once per rate and layout, a short run with the step timeline (`src.callbacks.StepTimeline`): exposed and
   hidden communication per step, the medians of its `breakdown.csv` over both ranks.
 
-Then asks the predictor (`src.scaling.forecast.predict`, see `predicted`) for the same model, layout and link, with the
-compute of the one-core runs, and prints one markdown table: measured images/s (median over rounds), speedup
-over one core (median of the rounds' ratios), step ms, exposed communication ms, and the predicted step and
-images/s with the relative error. `--json` keeps every raw figure, so `--from-json` can print the table again
-without measuring.
+Then asks the predictor (`src.scaling.forecast.predict`, see `predicted`) for the same model, layout and link,
+with the compute of the one-core runs, and prints one markdown table: measured images/s (median over rounds),
+speedup over one core and time over DDP's at the same rate (medians of the rounds' ratios), step ms, exposed
+communication ms, and the predicted step and images/s with the relative error. `--json` keeps every raw figure,
+so `--from-json` can print the table again without measuring.
 """
 
 import argparse
@@ -177,21 +177,23 @@ def print_table(result: dict) -> None:
     print(f"\none core: {one:,.1f} images/s at batch {batch} (median of {len(result['one_core'])}); compute "
           f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image; sync overhead {sync:.1%}, fitted on "
           f"the unshaped rows of {', '.join(fitted_on)}\n")
-    print("| link | layout | images/s | x one core | step ms | exposed comm ms (hidden) | predicted step ms "
-          "| predicted exposed comm ms (hidden) | predicted x one core | step error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| link | layout | images/s | x one core | time / DDP's | step ms | exposed comm ms (hidden) "
+          "| predicted step ms | predicted exposed comm ms (hidden) | predicted x one core | step error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, values in result["lab"].items():
         rate, name = key.split("|")
         ips = statistics.median(values)
         speedup = statistics.median(v / b for v, b in zip(values, result["one_core"]))
+        ddp = result["lab"].get(f"{rate}|ddp")
+        to_ddp = f"{statistics.median(d / v for v, d in zip(values, ddp)):.2f}" if ddp else "-"
         tl = result["timeline"].get(key)
         p = predicted(model, name, rate, overhead, per_image, sync)
         step_ms = batch / ips * 1e3
         err = (p.step_s * 1e3 - step_ms) / step_ms
         comm = f"{tl['communication']:.1f} ({tl['hidden_communication']:.1f})" if tl else "-"
-        print(f"| {rate} | {name} | {ips:,.0f} | {speedup:.2f} | {step_ms:.1f} | {comm} | {p.step_s * 1e3:.1f} | "
-              f"{(p.exchange_s - p.hidden_s) * 1e3:.1f} ({p.hidden_s * 1e3:.1f}) | {p.images_per_s / one:.2f} | "
-              f"{err:+.0%} |")
+        print(f"| {rate} | {name} | {ips:,.0f} | {speedup:.2f} | {to_ddp} | {step_ms:.1f} | {comm} | "
+              f"{p.step_s * 1e3:.1f} | {(p.exchange_s - p.hidden_s) * 1e3:.1f} ({p.hidden_s * 1e3:.1f}) | "
+              f"{p.images_per_s / one:.2f} | {err:+.0%} |")
 
 
 def main() -> None:
