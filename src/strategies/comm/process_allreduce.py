@@ -86,11 +86,13 @@ def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None)
     ops = [dist.P2POp(dist.irecv, t, peer, group) for t in theirs]
     ops += [dist.P2POp(dist.isend, m, peer, group) for m in mine]
     requests = dist.batch_isend_irecv(ops) if buffer.numel() else []
-    for request, m, t in zip(requests, mine, theirs):
-        request.wait()
+    received, sent = requests[:len(theirs)], requests[len(theirs):]
+    for m, t, arrived, gone in zip(mine, theirs, received, sent):
+        # a piece is summed in place only once its own send is done: gloo reads it until then, and the peer
+        # must get this process's gradient, not a half-made sum
+        arrived.wait()
+        gone.wait()
         m.add_(t)
-    for request in requests[len(theirs):]:
-        request.wait()
     return buffer.numel() * buffer.element_size()
 
 
