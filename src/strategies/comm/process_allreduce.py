@@ -70,7 +70,8 @@ def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None)
     sums are bitwise the same on both, since a + b == b + a in floating point.
 
     The buffer travels in pieces of `SWAP_PIECE_BYTES`, all posted at once (receives first, as `_exchange` says
-    why), and each piece is added as soon as it has arrived, while the later ones are still on their way.
+    why), and each piece is added once it has arrived and its own send is done, while the later ones are still on
+    their way.
 
     Where it matters: on a 2-core virtual machine a message between two processes took 1.5 - 3.5 ms however small
     (`benchmarks/lab_allreduce.py`), about what LeNet's 516 KB take on a 1 Gbit/s link.
