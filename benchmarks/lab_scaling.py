@@ -33,7 +33,6 @@ LAYOUTS = {
     "ddp": ["--config", "configs/strategy/ddp_cpu.yaml"],
     "ddp 64KB": ["--config", "configs/strategy/ddp_cpu.yaml", "--trainer.strategy.init_args.bucket_cap_mb", "0.0625"],
 }
-BATCH = 256
 # model name: (experiment config, global batch). ResNet-18's 64 images (32 per machine) keep a CPU step near a
 # second on one core.
 MODELS = {"lenet": ("configs/lenet.yaml", 256), "resnet18": ("configs/resnet18.yaml", 64)}
