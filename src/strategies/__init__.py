@@ -1,10 +1,11 @@
 """Data-parallel strategies: the Lightning glue (this package) and pure communication (`src.strategies.comm`).
 
-`SplitAllreduceStrategy` is loaded on first use, so that importing `src.strategies.comm` does not load
-Lightning; its module registers the short name `split_allreduce` with Lightning when it is imported.
+`SplitAllreduceStrategy` and `CompressedDDPStrategy` are loaded on first use, so that importing
+`src.strategies.comm` does not load Lightning; their modules register their short names with Lightning when they
+are imported (`split_allreduce`; `ddp_bf16`, `ddp_powersgd`).
 """
 
-__all__ = ["SplitAllreduceStrategy"]
+__all__ = ["CompressedDDPStrategy", "SplitAllreduceStrategy"]
 
 
 def __getattr__(name: str):
@@ -12,4 +13,8 @@ def __getattr__(name: str):
         from src.strategies.split_allreduce import SplitAllreduceStrategy
 
         return SplitAllreduceStrategy
+    if name == "CompressedDDPStrategy":  # configs/strategy/ddp_cpu_bf16.yaml, ddp_cpu_powersgd.yaml
+        from src.strategies.ddp_compression import CompressedDDPStrategy
+
+        return CompressedDDPStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

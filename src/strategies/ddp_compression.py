@@ -1,0 +1,231 @@
+"""Lightning's DDP with one of torch's gradient-compression communication hooks, chosen by plain config values.
+
+Lightning's `DDPStrategy(ddp_comm_hook=...)` registers a hook only when the root device is CUDA
+(`DDPStrategy._register_ddp_hooks`), so on the CPU it would silently train with DDP's uncompressed allreduce.
+`CompressedDDPStrategy` registers the hook on every device through torch's public
+`DistributedDataParallel.register_comm_hook`, the call Lightning makes on CUDA, and counts what each hook call
+hands to allreduce.
+
+Sources: torch's DDP communication hooks, https://pytorch.org/docs/stable/ddp_comm_hooks.html; PowerSGD: Vogels,
+Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization",
+NeurIPS 2019, https://arxiv.org/abs/1905.13727.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from src.layout import ParallelLayout
+
+COMPRESSIONS = ("none", "bf16", "powersgd")
+# DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
+_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_BF16_BYTES = torch.finfo(torch.bfloat16).bits // 8
+
+
+def check_compression_options(compression: str, powersgd_rank: int, powersgd_warmup_steps: int,
+                              error_feedback: bool, warm_start: bool, min_compression_rate: float,
+                              ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse values torch would refuse later (in every training process) or would silently misread.
+
+    Raises:
+        ValueError: One message listing every bad value and what to set instead.
+    """
+    problems = []
+    if compression not in COMPRESSIONS:
+        problems.append(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
+    if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank < 1:
+        problems.append(f"powersgd_rank={powersgd_rank!r}: the rank of PowerSGD's low-rank factors must be an "
+                        "integer >= 1 (e.g. 2)")
+    if isinstance(powersgd_warmup_steps, bool) or not isinstance(powersgd_warmup_steps, int):
+        problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps!r}: must be an integer number of steps")
+    elif (error_feedback or warm_start) and powersgd_warmup_steps < 2:
+        problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps}: torch's PowerSGD needs at least 2 "
+                        "uncompressed steps while error_feedback or warm_start is on (DDP rebuilds its gradient "
+                        "buckets after the first step); set powersgd_warmup_steps >= 2, or error_feedback: false "
+                        "and warm_start: false")
+    elif powersgd_warmup_steps < 0:
+        problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps}: must be >= 0")
+    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) or \
+            not min_compression_rate > 0:
+        problems.append(f"min_compression_rate={min_compression_rate!r}: must be a number > 0 (torch compresses "
+                        "a matrix only if that shrinks it by this factor; e.g. 2.0)")
+    given = [name for name in _HOOK_ARGS if ddp_kwargs.get(name) is not None]
+    if given:
+        problems.append(f"{', '.join(given)}: this strategy registers its hook from `compression`; use "
+                        "lightning.pytorch.strategies.DDPStrategy for a hook of your own")
+    if problems:
+        raise ValueError("CompressedDDPStrategy: " + "; ".join(problems))
+
+
+def _bucket_buffer(bucket: Any) -> torch.Tensor:
+    """The flat gradient buffer of a DDP bucket (a `GradBucket`, or the (grad, param) pair of DDP's Python
+    reducer, which torch's default hooks accept too)."""
+    return bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
+
+
+class CompressedDDPStrategy(DDPStrategy):
+    """Lightning's DDP whose gradient allreduce goes through one of torch's communication hooks, on the CPU too.
+
+    - "none": torch's `allreduce_hook` (the average DDP computes by itself: divide by the world size, allreduce
+      the flat bucket), counted like the other two, as the uncompressed baseline.
+    - "bf16": torch's `bf16_compress_hook`: each bucket is cast to bfloat16 (2 bytes an element), divided by the
+      world size, allreduced and cast back; 2x fewer bytes than float32 gradients, 4x fewer than float64.
+    - "powersgd": torch's `powerSGD_hook` (Vogels, Karimireddy and Jaggi, NeurIPS 2019,
+      https://arxiv.org/abs/1905.13727): for its first `powersgd_warmup_steps` steps a plain allreduce; then
+      every gradient matrix n x m (a conv kernel is viewed as out x in*k*k) that shrinks by at least
+      `min_compression_rate` is sent as two rank-r factors P (n x r) and Q (m x r), allreduced one after the
+      other, and every other tensor (biases) is allreduced as it is.
+
+    Lightning registers `ddp_comm_hook` only on CUDA; this class registers in `configure_ddp` with torch's
+    `DistributedDataParallel.register_comm_hook` on every device (on CUDA the same call Lightning makes). torch
+    refuses its own `bf16_compress_hook` by name without CUDA and NCCL; the counting wrapper registered here has
+    another name, and gloo allreduces bfloat16 tensors on the CPU.
+
+    What the hook does is counted in every training process, per optimizer step (the hook calls since the
+    previous optimizer step ended, which under gradient accumulation are those of the step's last micro-batch,
+    as DDP synchronises no other). The counts are taken synchronously at each hook call, before its allreduces
+    run: "none" and "bf16" hand allreduce one tensor of the bucket's elements, in the bucket's dtype or in
+    bfloat16 (`torch.distributed.algorithms.ddp_comm_hooks.default_hooks`); a PowerSGD warm-up step hands the
+    whole bucket; a compressed PowerSGD step hands the uncompressed tensors (one concatenated tensor), then P,
+    then Q, whose elements torch's own `PowerSGDState.total_numel_after_compression` adds up in the same call
+    ((n + m) * r per compressed matrix, n * m per tensor sent as it is), so the bytes sent are that increase
+    times the bucket's element size. These are the sizes of the tensors reduced, not bytes on the wire: a ring
+    allreduce moves about 2(P-1)/P times that in and out of each of P processes. With `start_method: spawn`
+    the counts live in the training processes, not in the one that called `fit`.
+
+    Resuming: Lightning saves no communication-hook state in checkpoints (neither `DDPStrategy` nor the
+    checkpoint connector reads `ddp_comm_state`), and `configure_ddp` makes a new `PowerSGDState` at every fit.
+    A resumed run therefore starts PowerSGD anew: `powersgd_warmup_steps` uncompressed steps again, zero
+    error-feedback memory, and fresh random Q factors drawn from the same seed as at the first start.
+
+    Args:
+        compression: "none" (torch's `allreduce_hook`: DDP's own average, counted), "bf16" (`bf16_compress_hook`:
+            buckets allreduced in bfloat16) or "powersgd" (`powerSGD_hook`: rank-r factors after the warm-up).
+        powersgd_rank: r, the rank of PowerSGD's factors (torch's `matrix_approximation_rank`); a matrix n x m is
+            sent as (n + m) * r numbers instead of n * m.
+        powersgd_warmup_steps: Optimizer steps with a plain allreduce before PowerSGD starts (torch's
+            `start_powerSGD_iter`); at least 2 while `error_feedback` or `warm_start` is on. torch suggests
+            about 10% of the run and no fewer than the lr warm-up's steps.
+        error_feedback: Add what compression lost on this process in the previous step to this step's gradient
+            (torch's `use_error_feedback`; costs one gradient-sized buffer).
+        warm_start: Start each step's power iteration from the previous step's Q (torch's `warm_start`).
+        min_compression_rate: Compress a matrix only if (n + m) * r * min_compression_rate < n * m; others
+            are allreduced as they are.
+        **kwargs: Every argument of `lightning.pytorch.strategies.DDPStrategy` (`process_group_backend`,
+            `timeout`, `start_method`, and DDP's own such as `bucket_cap_mb`), except the four that choose a hook
+            by hand: `ddp_comm_state`, `ddp_comm_hook`, `ddp_comm_wrapper`, `model_averaging_period`.
+
+    Attributes:
+        hook_calls: Hook calls in this process since this fit began (one per gradient bucket per synchronised
+            backward).
+        hook_calls_last_step: Hook calls of the last optimizer step.
+        bytes_sent_last_step: Bytes of the tensors this process handed to allreduce in the last optimizer step.
+        bytes_uncompressed_last_step: Bytes of the gradient buckets of that step: what DDP's own allreduce would
+            have handed over (the buckets' elements in the gradients' dtype).
+        bytes_sent_total, bytes_uncompressed_total: The same, summed over the optimizer steps of this fit.
+        powersgd_state: torch's `PowerSGDState` of this fit ("powersgd" only, else None; made at setup).
+
+    Raises:
+        ValueError: At construction, for an unknown `compression`, `powersgd_rank` < 1, `powersgd_warmup_steps`
+            < 2 with error feedback or warm start (< 0 without), `min_compression_rate` <= 0, or one of the
+            hook arguments above; one message lists every bad value and what to set.
+    """
+
+    def __init__(self, compression: Literal["none", "bf16", "powersgd"] = "bf16", powersgd_rank: int = 2,
+                 powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
+                 min_compression_rate: float = 2.0, **kwargs: Any) -> None:
+        check_compression_options(compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start,
+                                  min_compression_rate, kwargs)
+        super().__init__(**kwargs)  # as it is: jsonargparse reads DDPStrategy's arguments through this call
+        self.compression = compression
+        self.powersgd_rank, self.powersgd_warmup_steps = powersgd_rank, powersgd_warmup_steps
+        self.error_feedback, self.warm_start = error_feedback, warm_start
+        self.min_compression_rate = min_compression_rate
+        self.powersgd_state: powerSGD_hook.PowerSGDState | None = None
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self.hook_calls = self.hook_calls_last_step = 0
+        self.bytes_sent_last_step = self.bytes_uncompressed_last_step = 0
+        self.bytes_sent_total = self.bytes_uncompressed_total = 0
+        self._pending = [0, 0, 0]  # hook calls, bytes sent, bytes uncompressed since the last optimizer step
+
+    def parallel_layout(self) -> ParallelLayout:
+        """DDP's layout (`src.layout.parallel_layout`), named "ddp_bf16" or "ddp_powersgd" ("ddp" for "none"),
+        so that runs and the HPARAMS table tell the compressions apart."""
+        p = self.world_size
+        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        name = "ddp" if self.compression == "none" else f"ddp_{self.compression}"
+        return ParallelLayout(name, p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
+                              "torch" if p > 1 else "none", backend if p > 1 else None)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Wrap the model in DDP as Lightning does, then register the chosen hook on any device."""
+        super().configure_ddp()  # registers nothing: no ddp_comm_hook was given to DDPStrategy
+        assert isinstance(self.model, DistributedDataParallel)
+        self._reset_counts()
+        state, hook = self._make_hook()
+        self.model.register_comm_hook(state=state, hook=hook)
+
+    def _make_hook(self) -> tuple[object, Callable]:
+        """A fresh hook state (a new `PowerSGDState` each fit) and the counting hook around torch's."""
+        if self.compression == "powersgd":
+            self.powersgd_state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.powersgd_warmup_steps, min_compression_rate=self.min_compression_rate,
+                use_error_feedback=self.error_feedback, warm_start=self.warm_start)
+            return self.powersgd_state, self._counted_powersgd
+        return None, (self._counted_bf16 if self.compression == "bf16" else self._counted_allreduce)
+
+    def _count(self, sent: int, uncompressed: int) -> None:
+        self.hook_calls += 1
+        self._pending[0] += 1
+        self._pending[1] += sent
+        self._pending[2] += uncompressed
+
+    def _counted_allreduce(self, process_group, bucket):
+        buffer = _bucket_buffer(bucket)
+        self._count(buffer.numel() * buffer.element_size(), buffer.numel() * buffer.element_size())
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    def _counted_bf16(self, process_group, bucket):
+        buffer = _bucket_buffer(bucket)
+        self._count(buffer.numel() * _BF16_BYTES, buffer.numel() * buffer.element_size())
+        return default_hooks.bf16_compress_hook(process_group, bucket)
+
+    def _counted_powersgd(self, state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket):
+        buffer = bucket.buffer()
+        numel, size = buffer.numel(), buffer.element_size()
+        warming_up = state.iter < state.start_powerSGD_iter  # the test powerSGD_hook makes first
+        before = state.total_numel_after_compression
+        future = powerSGD_hook.powerSGD_hook(state, bucket)  # adds this bucket's elements before any allreduce
+        sent = numel if warming_up else state.total_numel_after_compression - before
+        self._count(sent * size, numel * size)
+        return future
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        """Take the step, then publish the hook's counts since the previous step as `*_last_step`."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        calls, sent, uncompressed = self._pending
+        self.hook_calls_last_step, self.bytes_sent_last_step, self.bytes_uncompressed_last_step = \
+            calls, sent, uncompressed
+        self.bytes_sent_total += sent
+        self.bytes_uncompressed_total += uncompressed
+        self._pending = [0, 0, 0]
+        return out
+
+
+# `trainer.strategy: ddp_bf16` / `ddp_powersgd` (DDP's defaults otherwise) work once this module is imported
+StrategyRegistry.register("ddp_bf16", CompressedDDPStrategy, description="DDP with torch's bf16_compress_hook, "
+                          "registered on the CPU too", compression="bf16")
+StrategyRegistry.register("ddp_powersgd", CompressedDDPStrategy, description="DDP with torch's powerSGD_hook, "
+                          "registered on the CPU too", compression="powersgd")
