@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
@@ -18,8 +19,10 @@ from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
+from src.strategies.comm.compression import make_compression
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
+from src.strategies.compression_state import KEY as COMPRESSION_KEY, gather_state, restore_state
 from src.strategies.comm.vocabulary import exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.follow import Replica0Watch
@@ -73,6 +76,16 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         process_group_backend: Between processes: "gloo" (CPU) or "nccl" (GPU); default by device type.
         timeout: How long a collective waits for a process that stopped answering (e.g. "0:10:00").
         start_method: "popen" (the command line runs again per extra local process) or "spawn".
+        compression: How each bucket travels between processes: "none" (exactly), "bf16" (sent and summed in
+            bfloat16) or "powersgd" (a rank-`powersgd_rank` approximation with error feedback; Vogels et al.,
+            NeurIPS 2019). Among a process's own replicas the exchange stays exact; with one process it has
+            no effect. docs/split_allreduce.md, "Gradient compression", walks through it.
+        powersgd_rank: PowerSGD's rank r: a gradient matrix (n, m) travels as n·r + m·r numbers.
+        powersgd_warmup_steps: Optimizer steps exchanged exactly before PowerSGD starts.
+        error_feedback: PowerSGD keeps what each approximation left out and adds it to the next gradient.
+        warm_start: PowerSGD starts each step's power iteration from the last step's Q.
+        min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor (biases
+            and other vectors always travel as they are).
 
     Raises:
         ValueError: Bad devices, algorithm, weights or buffer mode (at construction); a layout that does not
@@ -92,8 +105,17 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
                  auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False,
                  overlap: bool = False, process_group_backend: Literal["gloo", "nccl"] | None = None,
                  timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn"] = "popen") -> None:
+                 start_method: Literal["popen", "spawn"] = "popen",
+                 compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
+                 powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
+                 min_compression_rate: float = 2.0) -> None:
         super().__init__(process_group_backend, timeout, start_method)
+        self.compression_options = dict(rank=powersgd_rank, warmup_steps=powersgd_warmup_steps,
+                                        error_feedback=error_feedback, warm_start=warm_start,
+                                        min_compression_rate=min_compression_rate)
+        make_compression(compression, 1, lambda n, size: 0, **self.compression_options)  # checks the options
+        self.compression_name = compression
+        self._saved_compression: dict | None = None  # a resumed checkpoint's compression state ({}: none in it)
         check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,
                       bucket_cap_mb, auto_split_steps, check_sync_every)
         self._devices = parse_devices(devices) if devices is not None else None
@@ -105,6 +127,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         self.auto_split_steps, self.auto_split = auto_split_steps, None  # an AutoSplit while `auto` measures
         self.replicas, self._replica_optimizers, self._metric_pairs = [], [], []
         self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
+        self.compression = None  # made at train start (`compression`), kept when the exchange is made again
         self._watch: Replica0Watch | None = None  # what the copies and the exchange were built from (train start)
         self._followed = False  # optimizer_step followed replica 0 already; its closure's training_step need not
         self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
@@ -178,7 +201,23 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         if not self.data_parallel:
             return
         self._watch = Replica0Watch(self.replicas)  # anew: the lr finder runs the fit loop, then fit runs it again
+        self._make_compression()
         self._follow_replica0()
+
+    def _make_compression(self) -> None:
+        """The compression of the exchange between processes, anew, with a resumed checkpoint's state."""
+        self.compression = None
+        if self.compression_name != "none" and not self.multi_process:
+            rank_zero_info(f"split_allreduce: compression {self.compression_name} has no effect with one process "
+                           "(the exchange among a process's replicas stays exact)")
+        if self.compression_name != "none" and self.multi_process:
+            wire_bytes = world_allreduce(self.process_algorithm).wire_bytes
+            self.compression = make_compression(self.compression_name, self.world_size, wire_bytes,
+                                                **self.compression_options)
+        saved, self._saved_compression = self._saved_compression, None
+        line = restore_state(self.compression, saved, self.world_size, self.global_rank, self.root_device)
+        if line:
+            rank_zero_info(line)
 
     def _follow_replica0(self) -> None:
         """Before the replicas' forward pass: carry to the other replicas what callbacks and hooks changed on
@@ -206,12 +245,27 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         # mostly wait for the network); the GPU path keeps it in the hook, on the device's stream order
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
         self.exchange = GradientExchange([list(r.parameters()) for r in self.replicas], self.algorithm,
-                                         self.bucket_cap_bytes, self.overlap, between, background)
+                                         self.bucket_cap_bytes, self.overlap, between, background, self.compression)
 
     def _clone_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
         replica0 = self.lightning_module
         self._replica_optimizers = [clone_optimizer(optimizer, replica0, r) for r in self.replicas[1:]]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load, keeping the checkpoint's compression state for the start of training."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._saved_compression = checkpoint.get(COMPRESSION_KEY, {})  # {}: a checkpoint without it
+        return checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add the compression's state (every process's error memory: a collective, so all ranks run it), then
+        write on rank 0 as Lightning does. A weights-only checkpoint gets none."""
+        if self.compression is not None and "optimizer_states" in checkpoint:
+            checkpoint[COMPRESSION_KEY] = gather_state(self.compression, self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -49,14 +49,15 @@ class KillNodeAtStep(pl.Callback):
         step: Global step after which to die.
         node: The TEST_NODE value of the node that dies.
         agent: Kill the torchrun agent too (the parent process), not only the worker.
+        rank: Only the worker of this global rank dies (None: every worker of the node).
     """
 
-    def __init__(self, step: int, node: str, agent: bool = True) -> None:
-        self.step, self.node, self.agent = step, node, agent
+    def __init__(self, step: int, node: str, agent: bool = True, rank: int | None = None) -> None:
+        self.step, self.node, self.agent, self.rank = step, node, agent, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step and os.environ.get("TEST_NODE") == self.node and \
-                os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+                os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and self.rank in (None, trainer.global_rank):
             if self.agent:
                 os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from src.strategies.comm.allreduce import nbytes, allreduce_
+from src.strategies.comm.allreduce import broadcast_, nbytes, allreduce_, reduce_
+from src.strategies.comm.compression import Compression
 from src.strategies.comm.hierarchical import two_level_allreduce_
 from src.timeline.labels import phase
 
@@ -55,7 +56,8 @@ def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
 
 
 def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
-                      between: Callable[[Tensor], int | None] | None = None, index: int = 0) -> list[int]:
+                      between: Callable[[Tensor], int | None] | None = None, index: int = 0,
+                      compression: Compression | None = None, param_ids: Sequence[int] = ()) -> list[int]:
     """Allreduce (sum) the `.grad` of one bucket across K replicas, in place.
 
     Args:
@@ -65,13 +67,26 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
         between: With several processes, the allreduce between them: the sum then covers every replica of
             every process (`src.strategies.comm.hierarchical.two_level_allreduce_`). None: this process only.
         index: The bucket's number, for its span in the step timeline (`dp/allreduce bucket <index>`).
+        compression: With `between`, how the bucket travels between processes
+            (`src.strategies.comm.compression`): the process's replicas are summed on replica 0, its sum is
+            exchanged compressed, and the result is copied back to the others (reduce, exchange, broadcast, since
+            a low-rank approximation needs whole matrices, not a ring's chunks). None: exactly, as without.
+        param_ids: The bucket's parameters as indices into replica 0's parameter list (the compression's state
+            is kept per parameter).
 
     Returns:
         Bytes sent by each of the K devices.
     """
     with phase(f"allreduce bucket {index}"):
         flats = [flatten([p.grad for p in group]) for group in members]
-        sent = allreduce_(flats, algorithm) if between is None else two_level_allreduce_(flats, algorithm, between)
+        if between is None:
+            sent = allreduce_(flats, algorithm)
+        elif compression is None:
+            sent = two_level_allreduce_(flats, algorithm, between)
+        else:
+            sent = reduce_(flats)
+            sent[0] += compression.allreduce_(flats[0], param_ids, [p.shape for p in members[0]], between)
+            sent = [a + b for a, b in zip(sent, broadcast_(flats))]
         for group, flat in zip(members, flats):
             copy_back_(flat, [p.grad for p in group])
     return sent
@@ -80,7 +95,8 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
 def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: str,
                          cap_bytes: int = 25 * 2**20, buckets: Sequence[Sequence[int]] | None = None,
                          between: Callable[[Tensor], int | None] | None = None,
-                         bucket_ids: Sequence[int] | None = None) -> list[int]:
+                         bucket_ids: Sequence[int] | None = None,
+                         compression: Compression | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
 
     In one process, a parameter whose gradient is None on every replica is left alone (as on one device);
@@ -97,6 +113,7 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
             that have a gradient somewhere).
         between: The allreduce between processes, or None (see `allreduce_bucket_`).
         bucket_ids: The numbers of `buckets` in the step timeline (default 0, 1, ...).
+        compression: How buckets travel between processes (see `allreduce_bucket_`); None: exactly.
 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
@@ -120,6 +137,6 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
     for b, bucket in zip(bucket_ids or range(len(buckets)), buckets):
         if bucket:
             members = [[ps[i] for i in bucket] for ps in replica_params]
-            for dev, n in enumerate(allreduce_bucket_(members, algorithm, between, b)):
+            for dev, n in enumerate(allreduce_bucket_(members, algorithm, between, b, compression, bucket)):
                 sent[dev] += n
     return sent

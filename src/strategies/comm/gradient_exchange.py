@@ -13,6 +13,7 @@ from torch import nn
 
 from src.strategies.comm.hierarchical import BetweenProcesses
 from src.strategies.comm.buckets import allreduce_bucket_, allreduce_gradients_, bucket_indices
+from src.strategies.comm.compression import Compression
 from src.strategies.comm.overlap import BucketReadiness
 from src.timeline.labels import phase
 
@@ -31,14 +32,20 @@ class GradientExchange:
             index order, while backward goes on; the step waits for them after backward. This is how DDP
             overlaps on the CPU, where a collective mostly waits for the network: run in the hook itself, the
             exchange would stop backward until the bytes arrived. The sums are the same either way.
+        compression: With `between`, how each bucket travels between the processes
+            (`src.strategies.comm.compression`); None: exactly. It keeps its state (step count, PowerSGD's Q's and
+            error memory) from exchange to exchange.
     """
 
     def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
-                 overlap: bool, between: BetweenProcesses | None = None, background: bool = False) -> None:
+                 overlap: bool, between: BetweenProcesses | None = None, background: bool = False,
+                 compression: Compression | None = None) -> None:
         self.params, self.algorithm, self.between = replica_params, algorithm, between
+        self.compression = compression if between is not None else None
         self.buckets = bucket_indices(replica_params[0], cap_bytes)
         self.readiness = BucketReadiness(replica_params, self.buckets, self._reduce_in_backward) if overlap else None
         self.bytes_sent: list[int] = []  # per device, in the last exchange
+        self.bytes_uncompressed: list[int] = []  # per device, what the last exchange would have sent uncompressed
         self.grad_norms: list[float] = []  # per replica, before the last exchange, when asked for
         self._sent_in_backward: list[int] = []
         # one thread: the buckets go out in index order, the same on every process
@@ -59,6 +66,8 @@ class GradientExchange:
                 the first error of a bucket exchanged on that thread (e.g. a collective that timed out).
         """
         ready = self.readiness if self.readiness is not None and not grad_norms else None
+        if self.compression is not None:
+            self.compression.begin_step()
         if ready is not None:
             self._sent_in_backward = [0] * len(self.params)
             ready.arm()
@@ -76,11 +85,14 @@ class GradientExchange:
         self.grad_norms = [_grad_norm(ps) for ps in self.params] if grad_norms else []
         if left is None:
             self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
-                                                   between=self.between)
+                                                   between=self.between, compression=self.compression)
         else:
             rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left],
-                                        between=self.between, bucket_ids=left)
+                                        between=self.between, bucket_ids=left, compression=self.compression)
             self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
+        self.bytes_uncompressed = list(self.bytes_sent)
+        if self.compression is not None:  # replica 0's device sends the process's compressed sum
+            self.bytes_uncompressed[0] += self.compression.bytes_uncompressed - self.compression.bytes_sent
         return out
 
     @property
@@ -101,12 +113,13 @@ class GradientExchange:
             return
         members = [[ps[i] for i in trainable] for ps in self.params]
         if self._worker is None:
-            self._reduce_members(members, b)
+            self._reduce_members(members, b, trainable)
         else:  # its gradients are final: backward writes only the buckets after it from now on
-            self._handed.append(self._worker.submit(self._reduce_members, members, b))
+            self._handed.append(self._worker.submit(self._reduce_members, members, b, trainable))
 
-    def _reduce_members(self, members: list[list[nn.Parameter]], b: int) -> None:
-        for dev, n in enumerate(allreduce_bucket_(members, self.algorithm, self.between, b)):
+    def _reduce_members(self, members: list[list[nn.Parameter]], b: int, trainable: list[int]) -> None:
+        sent = allreduce_bucket_(members, self.algorithm, self.between, b, self.compression, trainable)
+        for dev, n in enumerate(sent):
             self._sent_in_backward[dev] += n
 
     def _finish_handed(self, raise_errors: bool = True) -> None:

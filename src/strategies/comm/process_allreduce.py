@@ -147,6 +147,19 @@ def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> i
     return sent
 
 
+def ring_bytes(numel: int, element_size: int, world: int, rank: int) -> int:
+    """Bytes rank `rank` of `world` processes sends in `ring_allreduce_` of a buffer of `numel` elements of
+    `element_size` bytes each: the whole buffer for two processes, else its 2(P - 1) chunks of the ring."""
+    if world == 1:
+        return 0
+    if world == 2:
+        return numel * element_size
+    sizes = ring_chunk_sizes(numel, world)
+    chunks = [ring_step(rank, s, world, phase)[0] for phase in ("reduce_scatter", "all_gather")
+              for s in range(world - 1)]
+    return sum(sizes[c] for c in chunks) * element_size
+
+
 def torch_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Sum `buffer` over `group` in place with `dist.all_reduce` (the backend's own collective).
 
@@ -168,10 +181,18 @@ def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None],
 
 def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
     """The implementation called `name` over the default (world) process group, as a function of the buffer;
-    each call is a `dp/allreduce (processes)` span in the step timeline."""
+    each call is a `dp/allreduce (processes)` span in the step timeline.
+
+    The function's `wire_bytes(numel, element_size)` says how many bytes this process sends for a buffer of
+    that size (`ring_bytes`; 0 for "torch", whose bytes the backend does not report).
+    """
     implementation = process_allreduce(name)
 
     def between_processes(buffer: Tensor) -> int | None:
         with phase("allreduce (processes)"):
             return implementation(buffer, None)
+
+    def wire_bytes(numel: int, element_size: int) -> int:
+        return ring_bytes(numel, element_size, dist.get_world_size(), dist.get_rank()) if name == "ring" else 0
+    between_processes.wire_bytes = wire_bytes
     return between_processes

@@ -1,0 +1,297 @@
+"""Gradient compression for the exchange between processes: send fewer bits (bf16) or a low-rank approximation
+with error feedback (PowerSGD).
+
+Where it applies: to each bucket's exchange between processes, after the process's own replicas have summed it
+on replica 0 (`src.strategies.comm.buckets.allreduce_bucket_`). Replicas in one process share a host's memory
+or a GPU box's links, where bytes are cheap and every approximation would cost accuracy for nothing, so the
+exchange among them stays exact.
+
+The exchange sums (the loss is weighted by n_k / N before backward, so the sum of the gradients is the global
+batch's mean gradient); every formula below is written for sums.
+
+PowerSGD (Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization", NeurIPS 2019, https://arxiv.org/abs/1905.13727, Algorithm 1 with error feedback), per gradient
+of a parameter with at least two dimensions, viewed as a matrix M of shape (n, m) = (shape[0], prod(shape[1:]))
+(a conv weight (out, in, kh, kw) is (out, in·kh·kw)), at rank r:
+
+1. M += e, this process's error memory from the last step (error feedback);
+2. P = M Q, (n, r), with Q (m, r) the last step's summed Q (warm start) or a fresh Gaussian one, the same on
+   every process;
+3. allreduce P (sum), together with the bucket's tensors that are sent as they are;
+4. orthogonalise P's columns (Gram-Schmidt);
+5. Q = Mᵀ P, (m, r); allreduce Q (sum);
+6. the approximation of the sum is P Qᵀ (n, m) = P Pᵀ Σ_i M_i, the sum projected on P's columns;
+7. e = M - P Qᵀ / W for W processes, so that the errors of all processes add up to exactly what the
+   approximation left out of the sum.
+
+Every step after 1 is linear in Σ_i M_i, so the result depends on the processes' errors only through their sum:
+a resume on another number of processes may put that sum on one process (`CompressionState`). The sums of P and
+Q are bitwise the same on every process (`src.strategies.comm.process_allreduce`), so is everything computed
+from them, and every replica keeps identical weights. Tensors that are not matrices (biases, BatchNorm weights)
+and matrices that would shrink by less than `min_compression_rate` are sent as they are, as torch's
+`powerSGD_hook` does (https://pytorch.org/docs/stable/ddp_comm_hooks.html).
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice
+from src.timeline.labels import phase
+
+# allreduce (sum) of a 1-D tensor over the processes, in place; the bytes this process sent or None
+Between = Callable[[Tensor], int | None]
+
+
+def orthogonalize_(p: Tensor) -> None:
+    """Gram-Schmidt on the columns of p (n, r), in place: orthonormal columns spanning the same space.
+
+    A column that is zero (or becomes zero: p of rank below r) stays zero instead of turning into NaN.
+    """
+    tiny = torch.finfo(p.dtype).tiny
+    for i in range(p.shape[1]):
+        col = p[:, i:i + 1]
+        col /= torch.linalg.vector_norm(col).clamp_min(tiny)
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1:]
+            rest -= col * (col.T @ rest)
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
+    """(n, m) = (shape[0], prod(shape[1:])) for a tensor of 2 or more dimensions; None for the others."""
+    if len(shape) < 2:
+        return None
+    return shape[0], shape.numel() // shape[0]
+
+
+def compressed_rank(shape: torch.Size, rank: int, min_compression_rate: float) -> int:
+    """The rank PowerSGD uses for a gradient of `shape`, or 0 if it is sent as it is.
+
+    A matrix (n, m) is compressed at rank r' = min(r, n, m) when n·m > min_compression_rate · r'·(n + m), the
+    rule of torch's `powerSGD_hook` (`_should_compress`).
+    """
+    nm = matrix_shape(shape)
+    if nm is None:
+        return 0
+    n, m = nm
+    r = min(rank, n, m)
+    return r if n * m > min_compression_rate * r * (n + m) else 0
+
+
+class _Compression:
+    """What both compressions share: the optimizer step count and the bytes of the current step.
+
+    Args:
+        wire_bytes: Bytes this process sends to allreduce a buffer of (numel, element size in bytes) between the
+            processes uncompressed (0 when the implementation does not say, as with `dist.all_reduce`).
+    """
+
+    name = "none"
+
+    def __init__(self, wire_bytes: Callable[[int, int], int]) -> None:
+        self.wire_bytes = wire_bytes
+        self.steps = 0  # optimizer steps begun, this one included
+        self.bytes_sent = 0  # this process, this step, between processes
+        self.bytes_uncompressed = 0  # what the same buckets would have sent uncompressed
+
+    def begin_step(self) -> None:
+        """Count the optimizer step whose gradients the next exchanges carry; its byte counts start at 0."""
+        self.steps += 1
+        self.bytes_sent = self.bytes_uncompressed = 0
+
+    def allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
+                   between: Between) -> int:
+        """Replace `flat` (N,), the concatenated gradients of the parameters `param_ids` (indices into replica 0's
+        parameter list) with `shapes`, by the (approximate) sum over the processes, in place.
+
+        Returns:
+            Bytes this process sent (0 when `between` does not say); also added to `bytes_sent`.
+        """
+        raw = self.wire_bytes(flat.numel(), flat.element_size())
+        planned = self._planned_bytes(flat, shapes)
+        with phase(f"allreduce {self.name}: {planned:,} of {raw:,} bytes"):
+            sent = self._allreduce_(flat, param_ids, shapes, between)
+        self.bytes_sent += sent
+        self.bytes_uncompressed += raw
+        return sent
+
+    def _planned_bytes(self, flat: Tensor, shapes: Sequence[torch.Size]) -> int:
+        raise NotImplementedError
+
+    def _allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
+                    between: Between) -> int:
+        raise NotImplementedError
+
+
+class Bf16Compression(_Compression):
+    """Send every bucket in bfloat16 and sum it there, then cast back: half the bytes of float32, a quarter of
+    float64 (Horovod's `Compression.fp16`, torch's `bf16_compress_hook`, in bfloat16 for its float32 range).
+
+    Args:
+        wire_bytes: See `_Compression`.
+    """
+
+    name = "bf16"
+
+    def _planned_bytes(self, flat: Tensor, shapes: Sequence[torch.Size]) -> int:
+        return self.wire_bytes(flat.numel(), 2)
+
+    def _allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
+                    between: Between) -> int:
+        low = flat.to(torch.bfloat16)
+        sent = between(low) or 0
+        flat.copy_(low)
+        return sent
+
+    def state_dict(self) -> dict:
+        """The method and the step count (bf16 keeps nothing else)."""
+        return {"method": self.name, "steps": self.steps}
+
+    def load_state_dict(self, state: dict, errors: dict[int, Tensor] | None) -> None:
+        """Take the step count of `state`."""
+        self.steps = int(state["steps"])
+
+
+class PowerSGDCompression(_Compression):
+    """PowerSGD at rank `rank` with error feedback and warm start (the module's docstring gives the steps).
+
+    Args:
+        rank: r, the rank of each approximation (>= 1).
+        warmup_steps: Optimizer steps exchanged exactly before compression starts (the error memory starts then).
+        error_feedback: Keep what the approximation left out and add it to the next step's gradient.
+        warm_start: Start each step's power iteration from the last step's Q instead of a fresh random one.
+        min_compression_rate: Compress a matrix only if it shrinks by more than this factor.
+        world_size: W, the number of processes exchanging.
+        wire_bytes: See `_Compression`.
+        seed: Seeds the random Q (the same on every process, through a generator of its own: the global random
+            state is left alone).
+
+    Raises:
+        ValueError: rank < 1, warmup_steps < 0 or min_compression_rate < 1.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int, warmup_steps: int, error_feedback: bool, warm_start: bool,
+                 min_compression_rate: float, world_size: int, wire_bytes: Callable[[int, int], int],
+                 seed: int = 0) -> None:
+        super().__init__(wire_bytes)
+        check_powersgd(rank, warmup_steps, min_compression_rate)
+        self.rank, self.warmup_steps, self.seed = rank, warmup_steps, seed
+        self.error_feedback, self.warm_start = error_feedback, warm_start
+        self.min_compression_rate, self.world_size = min_compression_rate, world_size
+        self.q: dict[int, Tensor] = {}  # per parameter index: the last summed Q (m, r)
+        self.errors: dict[int, Tensor] = {}  # per parameter index: this process's error memory (n, m)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the current step compresses (warm-up over)."""
+        return self.steps > self.warmup_steps
+
+    def _planned_bytes(self, flat: Tensor, shapes: Sequence[torch.Size]) -> int:
+        if not self.compressing:
+            return self.wire_bytes(flat.numel(), flat.element_size())
+        first = second = 0
+        for s in shapes:
+            r = compressed_rank(s, self.rank, self.min_compression_rate)
+            n, m = matrix_shape(s) if r else (s.numel(), 0)
+            first += n * (r or 1)
+            second += m * r
+        return sum(self.wire_bytes(x, flat.element_size()) for x in (first, second) if x)
+
+    def _allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
+                    between: Between) -> int:
+        if not self.compressing:
+            return between(flat) or 0
+        grads = [g.view(s) for g, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+        ranks = [compressed_rank(s, self.rank, self.min_compression_rate) for s in shapes]
+        plain = [g for g, r in zip(grads, ranks) if not r]
+        matrices, ps, qs, ids = [], [], [], []
+        for i, g, r in zip(param_ids, grads, ranks):
+            if not r:
+                continue
+            m = g.reshape(g.shape[0], -1)
+            if self.error_feedback and i in self.errors:
+                m = m + self.errors[i]
+            q = self._start_q(i, m.shape[1], r, m)
+            matrices.append(m)
+            ps.append(m @ q)
+            qs.append(q)
+            ids.append(i)
+        first = torch.cat([t.reshape(-1) for t in plain + ps]) if plain or ps else flat.new_zeros(0)
+        sent = (between(first) or 0) if first.numel() else 0
+        offset = 0
+        for t in plain + ps:  # the plain gradients back into the bucket, the P's summed
+            t.copy_(first[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        for p, m, k in zip(ps, matrices, range(len(qs))):
+            orthogonalize_(p)
+            qs[k] = m.T @ p
+        if qs:
+            second = torch.cat([q.reshape(-1) for q in qs])
+            sent += between(second) or 0
+            offset = 0
+            for k, q in enumerate(qs):
+                qs[k] = second[offset:offset + q.numel()].view_as(q).clone()
+                offset += q.numel()
+        for i, g, m, p, q in zip(ids, (g for g, r in zip(grads, ranks) if r), matrices, ps, qs):
+            approx = p @ q.T
+            if self.error_feedback:
+                self.errors[i] = m - approx / self.world_size
+            g.copy_(approx.view_as(g))
+            if self.warm_start:
+                self.q[i] = q
+        return sent
+
+    def _start_q(self, i: int, m: int, r: int, like: Tensor) -> Tensor:
+        """Q (m, r) to start parameter i's power iteration from: the last summed one (warm start), else Gaussian
+        from a generator seeded by (seed, parameter, step), so every process draws the same."""
+        if self.warm_start and i in self.q:
+            return self.q[i]
+        step = 0 if self.warm_start else self.steps
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + i) * 1_000_033 + step)
+        q = torch.randn(m, r, generator=generator, dtype=like.dtype).to(like.device)
+        orthogonalize_(q)
+        return q
+
+    def state_dict(self) -> dict:
+        """What a resume needs besides the error memory (which differs per process): method, rank, steps, Q's."""
+        return {"method": self.name, "rank": self.rank, "steps": self.steps, "q": dict(self.q)}
+
+    def load_state_dict(self, state: dict, errors: dict[int, Tensor] | None) -> None:
+        """Take the step count and Q's of `state` and this process's error memory `errors` (None: zeros)."""
+        self.steps = int(state["steps"])
+        self.q = {int(i): q for i, q in state.get("q", {}).items()}
+        self.errors = {int(i): e for i, e in (errors or {}).items()}
+
+
+Compression = Bf16Compression | PowerSGDCompression
+
+
+def check_powersgd(rank: int, warmup_steps: int, min_compression_rate: float) -> None:
+    """Raises ValueError for a rank below 1, negative warm-up steps or a minimum compression rate below 1."""
+    if rank < 1:
+        raise ValueError(f"powersgd_rank must be at least 1, got {rank}")
+    if warmup_steps < 0:
+        raise ValueError(f"powersgd_warmup_steps must be 0 or more, got {warmup_steps}")
+    if min_compression_rate < 1:
+        raise ValueError(f"min_compression_rate must be at least 1 (1: compress every matrix that shrinks), "
+                         f"got {min_compression_rate}")
+
+
+def make_compression(name: str, world_size: int, wire_bytes: Callable[[int, int], int], rank: int = 2,
+                     warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
+                     min_compression_rate: float = 2.0, seed: int = 0) -> Compression | None:
+    """The compression called `name` ("none": None), for `world_size` processes.
+
+    Raises:
+        ValueError: An unknown name or bad PowerSGD settings.
+    """
+    check_choice("compression", name, COMPRESSIONS)
+    if name == "bf16":
+        return Bf16Compression(wire_bytes)
+    if name == "powersgd":
+        return PowerSGDCompression(rank, warmup_steps, error_feedback, warm_start, min_compression_rate,
+                                   world_size, wire_bytes, seed)
+    return None

@@ -1,0 +1,160 @@
+"""Gradient compression of the exchange between processes, on one bucket (src/strategies/comm/compression.py).
+
+The exchange between processes is replaced by a function that adds a fixed peer buffer, as a second process
+would send it, or by the identity (one process), so every figure can be checked by hand.
+"""
+
+import pytest
+import torch
+
+from src.strategies.comm.compression import (Bf16Compression, PowerSGDCompression, compressed_rank, make_compression,
+                                             orthogonalize_)
+from src.strategies.comm.process_allreduce import ring_bytes
+
+
+def _wire_bytes(numel: int, size: int) -> int:
+    return numel * size  # two processes swap whole buffers
+
+
+def _identity(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.element_size()
+
+
+def _powersgd(rank=2, warmup=0, error_feedback=True, warm_start=True, world=1, min_rate=1.0):
+    return PowerSGDCompression(rank, warmup, error_feedback, warm_start, min_rate, world, _wire_bytes)
+
+
+def test_bf16_rounds_a_known_bucket_and_sums_in_bf16():
+    flat = torch.tensor([1 + 2**-8, 3.0, -0.1, 1e-3], dtype=torch.float64)
+    peer = torch.tensor([1.0, 0.5, 0.0, 2**-20], dtype=torch.bfloat16)  # what the other process sends
+
+    def between(buffer):
+        assert buffer.dtype == torch.bfloat16
+        buffer.add_(peer)
+        return buffer.numel() * buffer.element_size()
+
+    bf16 = Bf16Compression(_wire_bytes)
+    bf16.begin_step()
+    sent = bf16.allreduce_(flat, [0], [flat.shape], between)
+    # 1 + 2^-8 lies halfway between bf16's neighbours 1 and 1 + 2^-7 and rounds to even (1.0); -0.1 is
+    # -0.10009765625 in bf16; 1e-3 rounds to 0.00099945068359375 and adding 2^-20 in bf16 leaves it there
+    assert flat.tolist() == [2.0, 3.5, -0.10009765625, 0.00099945068359375]
+    assert flat.dtype == torch.float64
+    assert sent == bf16.bytes_sent == 4 * 2 and bf16.bytes_uncompressed == 4 * 8
+
+
+def test_powersgd_reproduces_an_exactly_rank_r_gradient_after_a_warm_started_step():
+    torch.manual_seed(0)
+    conv = (6, 3, 2, 2)  # a conv weight: the matrix (6, 12)
+    compression = _powersgd(rank=2)
+    for step in range(2):  # the second step starts from the first one's Q (warm start)
+        a, b = torch.randn(6, 2, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
+        grad, bias = (a @ b.T).reshape(conv), torch.randn(6, dtype=torch.float64)
+        flat = torch.cat([grad.reshape(-1), bias])
+        compression.begin_step()
+        compression.allreduce_(flat, [0, 1], [torch.Size(conv), torch.Size([6])], _identity)
+        torch.testing.assert_close(flat[:72].view(conv), grad, rtol=0, atol=1e-12)
+        assert torch.equal(flat[72:], bias)  # a vector travels as it is
+        if step == 0:
+            assert set(compression.q) == {0}
+    assert compression.errors[0].abs().max() < 1e-12  # nothing was left out
+
+
+def test_error_feedback_adds_back_exactly_what_was_left_out():
+    """Each step sends (gradient + last error) minus the new error, so the sum of what was sent plus the error
+    left at the end is the sum of the gradients: nothing is lost, only delayed."""
+    torch.manual_seed(1)
+    compression = _powersgd(rank=1)
+    grads = [torch.randn(8, 10, dtype=torch.float64) for _ in range(5)]
+    sent_total = torch.zeros(8, 10, dtype=torch.float64)
+    error = torch.zeros(8, 10, dtype=torch.float64)
+    for g in grads:
+        flat = g.reshape(-1).clone()
+        compression.begin_step()
+        compression.allreduce_(flat, [3], [g.shape], _identity)
+        out = flat.view(8, 10)
+        assert torch.equal(compression.errors[3], (g + error) - out)  # what this step left out, exactly
+        assert (compression.errors[3].abs().max()) > 1e-3  # rank 1 of a random 8 x 10 matrix leaves a lot out
+        error = compression.errors[3]
+        sent_total += out
+    torch.testing.assert_close(sent_total + error, torch.stack(grads).sum(0), rtol=0, atol=1e-12)
+
+
+def test_powersgd_sums_over_two_processes_with_errors_that_add_up_to_what_was_left_out():
+    """Two compressors, one per process, exchanging through a fake allreduce that sums both sides' buffers."""
+    torch.manual_seed(2)
+    grads = [torch.randn(8, 10, dtype=torch.float64) for _ in range(2)]
+    procs = [_powersgd(rank=1, world=2) for _ in range(2)]
+    flats = [g.reshape(-1).clone() for g in grads]
+    for c in procs:
+        c.begin_step()
+    # run both exchanges in lockstep: each call of `between` waits for the other process's buffer
+    import threading
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    def between_for(rank):
+        def between(buffer):
+            slots[rank] = buffer.clone()
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            buffer.copy_(total)
+            return buffer.numel() * buffer.element_size()
+        return between
+
+    threads = [threading.Thread(target=procs[r].allreduce_, args=(flats[r], [0], [grads[r].shape], between_for(r)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(flats[0], flats[1])  # both processes hold the same approximation of the sum
+    left_out = grads[0] + grads[1] - flats[0].view(8, 10)
+    torch.testing.assert_close(procs[0].errors[0] + procs[1].errors[0], left_out, rtol=0, atol=1e-12)
+    # bytes: (8 + 10) x rank 1 float64 numbers sent, against 80
+    assert procs[0].bytes_sent == (8 + 10) * 8 and procs[0].bytes_uncompressed == 80 * 8
+
+
+def test_powersgd_warm_up_steps_are_exact_and_small_matrices_travel_uncompressed():
+    compression = _powersgd(rank=2, warmup=2, min_rate=2.0)
+    g = torch.randn(4, 5, dtype=torch.float64)
+    for _ in range(2):
+        flat = g.reshape(-1).clone()
+        compression.begin_step()
+        compression.allreduce_(flat, [0], [g.shape], lambda b: b.mul_(2).numel() * 0)
+        assert torch.equal(flat, 2 * g.reshape(-1)) and not compression.errors
+    assert compressed_rank(torch.Size([4, 5]), 2, 2.0) == 0  # 20 numbers against 18: not worth it
+    assert compressed_rank(torch.Size([120, 400]), 2, 2.0) == 2
+    assert compressed_rank(torch.Size([10]), 2, 1.0) == 0
+    assert compressed_rank(torch.Size([6, 1, 5, 5]), 3, 1.0) == 3  # a conv weight as (6, 25): 93 numbers of 150
+    assert compressed_rank(torch.Size([6, 1, 5, 5]), 8, 1.0) == 0  # rank 6 = min(n, m) would send more
+
+
+def test_orthogonalize_gives_orthonormal_columns_and_keeps_zero_columns_zero():
+    p = torch.randn(7, 3, dtype=torch.float64)
+    orthogonalize_(p)
+    torch.testing.assert_close(p.T @ p, torch.eye(3, dtype=torch.float64), rtol=0, atol=1e-12)
+    z = torch.zeros(5, 2, dtype=torch.float64)
+    orthogonalize_(z)
+    assert torch.equal(z, torch.zeros(5, 2, dtype=torch.float64))
+
+
+def test_ring_bytes_count_what_each_process_sends():
+    assert ring_bytes(1000, 4, 1, 0) == 0
+    assert ring_bytes(1000, 4, 2, 1) == 4000  # two processes swap whole buffers
+    # three processes: chunks of 334, 333, 333; each rank sends 4 of them over the two phases
+    assert sum(ring_bytes(1000, 4, 3, r) for r in range(3)) == 4 * 1000 * 4
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(rank=0), "powersgd_rank must be at least 1"),
+                                             (dict(warmup_steps=-1), "powersgd_warmup_steps must be 0 or more"),
+                                             (dict(min_compression_rate=0.5), "min_compression_rate must be")])
+def test_bad_powersgd_settings_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_compression("powersgd", 2, _wire_bytes, **kwargs)
+
+
+def test_unknown_compression_is_refused():
+    with pytest.raises(ValueError, match="unknown compression 'fp8'; choose one of none, bf16, powersgd"):
+        make_compression("fp8", 2, _wire_bytes)
+    assert make_compression("none", 2, _wire_bytes) is None
