@@ -30,6 +30,8 @@ class ParallelLayout:
         split_weights: split_allreduce's `split_weights` (a list, "auto", or None for equal shares).
         splits_any_batch: Whether the strategy splits a global batch of any size over its ranks (ours); if not
             (DDP), every rank takes global batch / world size, which must divide evenly.
+        compression: How gradients travel between processes: "none", "bf16" or "powersgd-r<rank>" (ours'
+            `compression`, or torch's hook under `CompressedDDPStrategy`).
     """
 
     strategy: str
@@ -42,6 +44,7 @@ class ParallelLayout:
     split_weights: list[float] | str | None = None
     splits_any_batch: bool = False
     _shares: Callable[[], list[float]] | None = field(default=None, repr=False, compare=False)
+    compression: str = "none"
 
     @property
     def total_replicas(self) -> int:

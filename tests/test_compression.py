@@ -10,6 +10,7 @@ import torch
 from src.strategies.comm.compression import (Bf16Compression, PowerSGDCompression, compressed_rank, make_compression,
                                              orthogonalize_)
 from src.strategies.comm.process_allreduce import ring_bytes
+from src.strategies.compression_state import restore_state
 
 
 def _wire_bytes(numel: int, size: int) -> int:
@@ -158,3 +159,42 @@ def test_unknown_compression_is_refused():
     with pytest.raises(ValueError, match="unknown compression 'fp8'; choose one of none, bf16, powersgd"):
         make_compression("fp8", 2, _wire_bytes)
     assert make_compression("none", 2, _wire_bytes) is None
+
+
+def _trained(world=2, steps=3):
+    """A PowerSGD compression of one process after `steps` compressed steps on a (6, 10) gradient."""
+    c = _powersgd(rank=2, world=world)
+    for s in range(steps):
+        c.begin_step()
+        c.allreduce_(torch.randn(60, dtype=torch.float64), [4], [torch.Size([6, 10])], _identity)
+    return c
+
+
+def test_a_resume_takes_back_its_own_error_memory_or_the_sum_on_another_world_size_or_starts_anew():
+    torch.manual_seed(3)
+    saved_by = [_trained(), _trained()]  # two processes' error memories, as a checkpoint holds them
+    saved = saved_by[0].state_dict() | {"world_size": 2, "errors_by_rank": [c.errors for c in saved_by]}
+    cpu = torch.device("cpu")
+
+    same = _powersgd(rank=2, world=2)
+    line = restore_state(same, saved, 2, 1, cpu)
+    assert line == "gradient compression: PowerSGD rank 2 resumed at step 3, each process's error memory back"
+    assert same.steps == 3 and torch.equal(same.errors[4], saved_by[1].errors[4]) and same.q.keys() == {4}
+
+    rank0, rank2 = _powersgd(rank=2, world=3), _powersgd(rank=2, world=3)
+    line = restore_state(rank0, saved, 3, 0, cpu)
+    restore_state(rank2, saved, 3, 2, cpu)
+    assert "the error memory of 2 processes summed onto rank 0 of 3" in line
+    assert torch.equal(rank0.errors[4], saved_by[0].errors[4] + saved_by[1].errors[4]) and not rank2.errors
+
+    other_rank = _powersgd(rank=4, world=2)
+    assert restore_state(other_rank, saved, 2, 0, cpu) == (
+        "gradient compression: PowerSGD rank 4 starts anew (the checkpoint's is for PowerSGD rank 2)")
+    assert other_rank.steps == 0 and not other_rank.errors
+    fresh = _powersgd(rank=2, world=2)
+    assert restore_state(fresh, {}, 2, 0, cpu) == (
+        "gradient compression: PowerSGD rank 2 starts anew (the checkpoint holds none)")
+    assert restore_state(None, saved, 2, 0, cpu) == (
+        "gradient compression: the checkpoint's PowerSGD rank 2 state is not used (this run exchanges gradients "
+        "uncompressed)")
+    assert restore_state(fresh, None, 2, 0, cpu) is None  # a run that starts afresh says nothing

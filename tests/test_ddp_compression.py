@@ -135,6 +135,6 @@ def test_overlays_and_short_names_choose_the_compression(overlay, compression):
     assert strategy["init_args"]["process_group_backend"] == "gloo"
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=f"ddp_{compression}", logger=False)
     assert isinstance(trainer.strategy, CompressedDDPStrategy) and trainer.strategy.compression == compression
-    layout = parallel_layout(trainer.strategy)  # the run is named ddp_<compression>-2x1-cpu
-    assert (layout.strategy, layout.processes, layout.allreduce, layout.backend) == (f"ddp_{compression}", 2,
-                                                                                      "torch", "gloo")
+    layout = parallel_layout(trainer.strategy)  # the run is named ddp-2x1-cpu-<compression>
+    assert (layout.strategy, layout.processes, layout.allreduce, layout.backend) == ("ddp", 2, "torch", "gloo")
+    assert layout.compression == {"bf16": "bf16", "powersgd": "powersgd-r2"}[compression]

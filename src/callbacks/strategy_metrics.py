@@ -4,6 +4,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from src.run.lightning_compat import logging_step, should_update_logs
+from src.strategies.ddp_compression import CompressedDDPStrategy
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 
 
@@ -15,7 +16,9 @@ class StrategyMetrics(pl.Callback):
     `compression` also `comm/bytes_uncompressed_per_device_max` (bytes the same exchange sends uncompressed),
     `comm/buckets_reduced_in_backward` (with `overlap`), `grad_norm/replica_k` (with `log_grad_norms`: each
     replica's gradient norm before the allreduce), and once, when `split_weights: auto` has fixed them,
-    `split/weight_replica_k` (also printed, with each replica's measured images/s).
+    `split/weight_replica_k` (also printed, with each replica's measured images/s). Under
+    `CompressedDDPStrategy` with a compression, the same two `comm/bytes_*` figures, from its hook's count of the
+    tensors it handed to allreduce. Under compression the epoch line names them too (`epoch_words`).
     """
 
     def __init__(self) -> None:
@@ -24,17 +27,13 @@ class StrategyMetrics(pl.Callback):
         self._strategy = None
 
     def epoch_words(self, epoch: int) -> str:
-        """For the epoch line, under compression: ", PowerSGD rank 2 sends 41,720 of 516,272 bytes per step"
+        """For the epoch line, under compression: ", PowerSGD rank 2 sends 13,992 of 516,272 bytes per step"
         (the busiest device's bytes in the last step, and what it would send uncompressed); "" otherwise."""
-        strategy = self._strategy
-        exchange = getattr(strategy, "exchange", None)
-        compression = getattr(exchange, "compression", None)
-        if compression is None or not exchange.bytes_sent:
+        found = _compression_bytes(self._strategy)
+        if found is None:
             return ""
-        name = f"PowerSGD rank {compression.rank}" if compression.name == "powersgd" else compression.name
-        if compression.name == "powersgd" and not compression.compressing:
-            name += " (warm-up: exact)"
-        return f", {name} sends {max(exchange.bytes_sent):,} of {max(exchange.bytes_uncompressed):,} bytes per step"
+        name, sent, uncompressed = found
+        return f", {name} sends {sent:,} of {uncompressed:,} bytes per step"
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._strategy = trainer.strategy
@@ -42,6 +41,13 @@ class StrategyMetrics(pl.Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs, batch,
                            batch_idx: int) -> None:
         strategy = trainer.strategy
+        if isinstance(strategy, CompressedDDPStrategy) and trainer.loggers and should_update_logs(trainer):
+            found = _compression_bytes(strategy)
+            if found is not None:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"comm/bytes_sent_per_device_max": float(found[1]),
+                                        "comm/bytes_uncompressed_per_device_max": float(found[2])},
+                                       step=logging_step(trainer))
         if not isinstance(strategy, SplitAllreduceStrategy) or not trainer.loggers:
             return  # other strategies measure nothing of this
         if strategy.optimizer_steps == self._last_step:
@@ -69,3 +75,21 @@ class StrategyMetrics(pl.Callback):
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=logging_step(trainer))
+
+
+def _compression_bytes(strategy: object) -> tuple[str, int, int] | None:
+    """(the compression in words, bytes sent, bytes uncompressed) of the last optimizer step under gradient
+    compression, ours or `CompressedDDPStrategy`'s; None without compression or before a step."""
+    if isinstance(strategy, CompressedDDPStrategy):
+        if strategy.compression == "none" or not strategy.bytes_uncompressed_last_step:
+            return None
+        words = f"PowerSGD rank {strategy.powersgd_rank}" if strategy.compression == "powersgd" else "bf16"
+        return words, strategy.bytes_sent_last_step, strategy.bytes_uncompressed_last_step
+    exchange = getattr(strategy, "exchange", None)
+    compression = getattr(exchange, "compression", None)
+    if compression is None or not exchange.bytes_sent:
+        return None
+    words = f"PowerSGD rank {compression.rank}" if compression.name == "powersgd" else compression.name
+    if compression.name == "powersgd" and not compression.compressing:
+        words += " (warm-up: exact)"
+    return words, max(exchange.bytes_sent), max(exchange.bytes_uncompressed)

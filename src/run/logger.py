@@ -29,9 +29,11 @@ __all__ = ["RunLogger", "run_hparams", "run_tag"]
 
 
 def run_tag(trainer: "pl.Trainer") -> str:
-    """`<strategy>-<P>x<K>-<device>` for this Trainer, e.g. "split_allreduce-1x2-cpu" or "ddp-2x1-cpu"."""
+    """`<strategy>-<P>x<K>-<device>` for this Trainer, e.g. "split_allreduce-1x2-cpu" or "ddp-2x1-cpu"; with
+    gradient compression `-<compression>` after it, e.g. "split_allreduce-2x1-cpu-powersgd-r2", "ddp-2x1-cpu-bf16"."""
     layout = parallel_layout(trainer.strategy)
-    return f"{layout.strategy}-{layout.processes}x{layout.replicas_per_process}-{layout.device_type}"
+    tag = f"{layout.strategy}-{layout.processes}x{layout.replicas_per_process}-{layout.device_type}"
+    return tag if layout.compression == "none" else f"{tag}-{layout.compression}"
 
 
 def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | None) -> dict[str, Any]:
@@ -53,6 +55,7 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
         "run/per_replica_batch": round(global_batch / layout.total_replicas, 2) if global_batch else None,
         "run/precision": str(trainer.precision),
         "run/allreduce": layout.allreduce,
+        "run/compression": layout.compression,
         "run/backend": layout.backend or "none",
         "run/threads": torch.get_num_threads(),
         "run/split_weights": "equal" if weights is None else str(weights),

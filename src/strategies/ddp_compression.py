@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from src.layout import ParallelLayout
+from src.strategies.comm.vocabulary import compression_tag
 
 COMPRESSIONS = ("none", "bf16", "powersgd")
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
@@ -158,13 +159,13 @@ class CompressedDDPStrategy(DDPStrategy):
         self._pending = [0, 0, 0]  # hook calls, bytes sent, bytes uncompressed since the last optimizer step
 
     def parallel_layout(self) -> ParallelLayout:
-        """DDP's layout (`src.layout.parallel_layout`), named "ddp_bf16" or "ddp_powersgd" ("ddp" for "none"),
-        so that runs and the HPARAMS table tell the compressions apart."""
+        """DDP's layout (`src.layout.parallel_layout`) with its compression ("bf16", "powersgd-r<rank>"), so that
+        run names (`ddp-2x1-cpu-bf16`) and the HPARAMS table (`run/compression`) tell the compressions apart."""
         p = self.world_size
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        name = "ddp" if self.compression == "none" else f"ddp_{self.compression}"
-        return ParallelLayout(name, p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
-                              "torch" if p > 1 else "none", backend if p > 1 else None)
+        return ParallelLayout("ddp", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
+                              "torch" if p > 1 else "none", backend if p > 1 else None,
+                              compression=compression_tag(self.compression, self.powersgd_rank))
 
     @override
     def configure_ddp(self) -> None:

@@ -23,7 +23,7 @@ from src.strategies.comm.compression import make_compression
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
 from src.strategies.compression_state import KEY as COMPRESSION_KEY, gather_state, restore_state
-from src.strategies.comm.vocabulary import exchange_name
+from src.strategies.comm.vocabulary import compression_tag, exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.follow import Replica0Watch
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
@@ -168,7 +168,8 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             "split_allreduce", p, k, tuple(self.replica_devices), tuple(self.parallel_devices or [self.root_device]),
             exchange_name(self.algorithm, self.process_algorithm, p, k),
             self.process_group_backend if p > 1 else None, self.split_weights, True,
-            lambda: self.shares.rank_shares)
+            lambda: self.shares.rank_shares,
+            compression=compression_tag(self.compression_name, self.compression_options["rank"]) if p > 1 else "none")
 
     @override
     def setup_environment(self) -> None:

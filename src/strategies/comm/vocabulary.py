@@ -28,6 +28,11 @@ EXCHANGES = {
 }
 
 
+def compression_tag(compression: str, rank: int) -> str:
+    """How run names and HPARAMS' `run/compression` name a compression: "none", "bf16", "powersgd-r<rank>"."""
+    return f"powersgd-r{rank}" if compression == "powersgd" else compression
+
+
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     """Raises ValueError naming `option`, the bad `value` and the `choices`."""
     if value not in choices:
