@@ -27,7 +27,7 @@ from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_model import ALGORITHMS, BandPrediction, Bounds, Compute, Link, Links, predict_band
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, shaped
-from src.scaling.network import DDP_BUCKET_BYTES, Network, custom_network, inspect_network
+from src.scaling.network import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
@@ -69,6 +69,14 @@ class Question:
             unknown, both kinds' bounds (a wider range).
         nodes: Nodes the devices are spread over, evenly (each device count must divide by it); default as
             few nodes as hold them.
+        compression: Gradient compression of the exchange: none, bf16 (2 bytes per element) or powersgd (rank
+            `powersgd_rank` factors of every gradient matrix that shrinks by more than `min_compression_rate`,
+            counted from the model; two allreduce calls per bucket). The compression's own arithmetic is not
+            modelled.
+        powersgd_rank: PowerSGD's rank r.
+        min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor.
+        compression_ratio: Bytes sent / uncompressed bytes, instead of counting them (needed for powersgd with
+            --network_params), e.g. 0.027 for LeNet at rank 2.
     """
 
     config: str = "configs/lenet.yaml"
@@ -83,6 +91,10 @@ class Question:
     grad_bytes: int = 4
     precision: Literal[PRECISIONS] | None = None
     nodes: int | None = None
+    compression: Literal["none", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = 2
+    min_compression_rate: float = 2.0
+    compression_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +266,9 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     compute, compute_note = _compute(question, user, preset.device, net, batch, paths.calibration)
     achieved, line, intra_note, inter_note = _links(preset, user, paths.calibration)
     overlap, overlap_note = resolve_overlap(preset.device, net, user.overlap)
-    messages = user.messages or net.buckets
+    sent, calls, compression_note = compressed_bytes(net, question.compression, question.powersgd_rank,
+                                                     question.min_compression_rate, question.compression_ratio)
+    messages = user.messages or net.buckets * calls
     bounds = bounds_for(question.precision)
     if user.sync_overhead is not None:
         if not user.sync_overhead >= 0:
@@ -264,7 +278,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     def node_size(devices: int) -> int:
         return devices // question.nodes if question.nodes else per_node
 
-    bands = [predict_band(a, d, batch, question.batch_mode, compute, net.gradient_bytes, node_size(d), achieved,
+    bands = [predict_band(a, d, batch, question.batch_mode, compute, sent, node_size(d), achieved,
                           line, overlap, messages, bounds) for a in question.algorithms for d in question.devices]
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
@@ -278,6 +292,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         + ("[user: --network_params, --grad_bytes]" if custom else
            f"[measured: counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image "
            "(conv + dense, backward = 2x forward)"),
+        f"gradient compression between devices: {compression_note}",
         f"batch: {batch} images {scaling}; {epoch_images:,} images per epoch",
         f"compute per replica: {compute.overhead_s * 1e3:.3f} ms/step + {compute.seconds_per_image * 1e6:.2f} "
         f"us/image {compute_note}",

@@ -7,6 +7,8 @@ module, but only when `inspect_network` is called.
 import importlib
 from dataclasses import dataclass
 
+from src.strategies.comm.vocabulary import powersgd_numbers
+
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and split_allreduce's default bucket_cap_mb, in bytes
 
 
@@ -25,6 +27,7 @@ class Network:
             parameter order.
         buckets: Number of such buckets (one allreduce call each).
         gradient_dtypes: Names of the gradients' dtypes, e.g. ("float32",).
+        shapes: Every trainable parameter's shape, in order (empty for a network known by its count only).
     """
 
     class_name: str
@@ -34,6 +37,7 @@ class Network:
     last_bucket_share: float
     buckets: int
     gradient_dtypes: tuple[str, ...] = ("float32",)
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def custom_network(parameters: int, grad_bytes: int = 4, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
@@ -100,4 +104,37 @@ def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes
     last = next(bucket for bucket in buckets if 0 in bucket)
     dtypes = tuple(dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params))
     return Network(cls_name, sum(p.numel() for p in params), sum(sizes), 3 * 2 * macs[0],
-                   sum(sizes[i] for i in last) / sum(sizes), len(buckets), dtypes)
+                   sum(sizes[i] for i in last) / sum(sizes), len(buckets), dtypes,
+                   tuple(tuple(p.shape) for p in params))
+
+
+def compressed_bytes(net: Network, compression: str, rank: int = 2, min_compression_rate: float = 2.0,
+                     ratio: float | None = None) -> tuple[int, int, str]:
+    """Bytes of gradient each replica exchanges per step under `compression`, allreduce calls per bucket, and a note
+    saying where the figure comes from.
+
+    "bf16" halves 4-byte gradients; "powersgd" counts (n + m)·r per compressed matrix and every element of the
+    rest (`src.strategies.comm.vocabulary.powersgd_numbers`, the rule ours and torch's hook apply), in two
+    allreduce calls per bucket (P with the rest, then Q); `ratio` (sent / uncompressed bytes) replaces the count,
+    as it must for a network known only by its parameter count.
+
+    Raises:
+        ValueError: PowerSGD for a network without shapes and no ratio, or a ratio outside (0, 1].
+    """
+    if ratio is not None:
+        if not 0 < ratio <= 1:
+            raise ValueError(f"--compression_ratio must be in (0, 1] (bytes sent / uncompressed), got {ratio}")
+        calls = 2 if compression == "powersgd" else 1
+        return round(net.gradient_bytes * ratio), calls, f"[user: --compression_ratio {ratio:g}]"
+    if compression == "none":
+        return net.gradient_bytes, 1, "uncompressed"
+    element = net.gradient_bytes / net.parameters
+    if compression == "bf16":
+        sent = round(net.parameters * min(element, 2))
+        return sent, 1, f"bf16: {sent:,} of {net.gradient_bytes:,} bytes [measured: 2 bytes per gradient element]"
+    if not net.shapes:
+        raise ValueError("--compression powersgd needs the network's shapes: give --config, or --compression_ratio "
+                         "(bytes sent / uncompressed, e.g. 0.03) with --network_params")
+    sent = round(powersgd_numbers(net.shapes, rank, min_compression_rate) * element)
+    return sent, 2, (f"PowerSGD rank {rank}: {sent:,} of {net.gradient_bytes:,} bytes [measured: counted from the "
+                     f"model's shapes, matrices that shrink by more than {min_compression_rate:g}x]")

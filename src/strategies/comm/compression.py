@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice
+from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice, compressed_rank, matrix_shape
 from src.timeline.labels import phase
 
 # allreduce (sum) of a 1-D tensor over the processes, in place; the bytes this process sent or None
@@ -56,27 +56,6 @@ def orthogonalize_(p: Tensor) -> None:
         if i + 1 < p.shape[1]:
             rest = p[:, i + 1:]
             rest -= col * (col.T @ rest)
-
-
-def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
-    """(n, m) = (shape[0], prod(shape[1:])) for a tensor of 2 or more dimensions; None for the others."""
-    if len(shape) < 2:
-        return None
-    return shape[0], shape.numel() // shape[0]
-
-
-def compressed_rank(shape: torch.Size, rank: int, min_compression_rate: float) -> int:
-    """The rank PowerSGD uses for a gradient of `shape`, or 0 if it is sent as it is.
-
-    A matrix (n, m) is compressed at rank r' = min(r, n, m) when n·m > min_compression_rate · r'·(n + m), the
-    rule of torch's `powerSGD_hook` (`_should_compress`).
-    """
-    nm = matrix_shape(shape)
-    if nm is None:
-        return 0
-    n, m = nm
-    r = min(rank, n, m)
-    return r if n * m > min_compression_rate * r * (n + m) else 0
 
 
 class _Compression:
