@@ -3,6 +3,8 @@
     python -m benchmarks.lab_table --model lenet --rounds 3 --json /tmp/lenet.json        # as root, real data
     python -m benchmarks.lab_table --model resnet18 --rounds 1 --batches 4 --json /tmp/resnet18.json
     python -m benchmarks.lab_table --from-json /tmp/lenet.json                            # the table again
+    python -m benchmarks.lab_table --model lenet --rates 1gbit,100mbit --layouts "$(python -m benchmarks.lab_table \
+        --list-compressed)" --json /tmp/compressed.json        # gradient compression, ours and DDP's hooks
 
 Measures, like `benchmarks/lab_scaling.py` (whose runs it reuses):
 
@@ -30,11 +32,17 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from benchmarks.lab_scaling import MODELS, PROCESSES, in_lab, one_core
 
 STEP_TIMES = ("--trainer.callbacks+=benchmarks.step_times.StepTimes",)
 
 SMALL_BUCKET_MB = {"lenet": 0.0625, "resnet18": 4.0}  # the second bucket size: several buckets per step
+COMPRESSED = ("bf16", "powersgd r1", "powersgd r2", "powersgd r4")
+# PowerSGD's exact warm-up steps in the compressed layouts: 2, the fewest torch's hook takes with error feedback
+# and warm start, so that every timed step (from the 6th on) is compressed
+WARMUP = "2"
 
 
 def layouts(model: str) -> dict[str, list[str]]:
@@ -50,7 +58,27 @@ def layouts(model: str) -> dict[str, list[str]]:
         "ours torch": ["--config", PROCESSES, "--trainer.strategy.init_args.process_allreduce", "torch"],
         "ddp": ["--config", "configs/strategy/ddp_cpu.yaml"],
         f"ddp {small}": ["--config", "configs/strategy/ddp_cpu.yaml", *bucket],
+        **{f"ours {c}": ["--config", PROCESSES, *compression_args(c)] for c in COMPRESSED},
+        **{f"ddp {c}": ["--config", "configs/strategy/ddp_cpu_powersgd.yaml", *compression_args(c)]
+           for c in COMPRESSED},
     }
+
+
+def compression_args(name: str) -> list[str]:
+    """CLI overrides for the compression `name` ("bf16" or "powersgd r<rank>"), the same for ours and DDP's."""
+    option = "--trainer.strategy.init_args."
+    if name == "bf16":
+        return [option + "compression", "bf16"]
+    return [option + "compression", "powersgd", option + "powersgd_rank", name.split("r")[-1],
+            option + "powersgd_warmup_steps", WARMUP]
+
+
+def compression_of(name: str) -> tuple[str, int]:
+    """The predictor's (compression, rank) for a layout name."""
+    for c in COMPRESSED:
+        if name.endswith(c):
+            return ("bf16", 2) if c == "bf16" else ("powersgd", int(c.split("r")[-1]))
+    return "none", 2
 
 
 def timeline_config(folder: Path, start: int, steps: int) -> Path:
@@ -128,9 +156,11 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     from src.scaling.forecast import Paths, Question, predict
     from src.scaling.sources import Overrides
 
+    compression, rank = compression_of(name)
     question = Question(config=MODELS[model][0], hardware="lab", devices=[2], algorithms=["ring"],
-                        batch_mode="global", batch_size=MODELS[model][1])
-    small = SMALL_BUCKET_MB[model] if name.split()[-1] not in ("ours", "torch", "ddp") else None
+                        batch_mode="global", batch_size=MODELS[model][1], compression=compression,
+                        powersgd_rank=rank)
+    small = SMALL_BUCKET_MB[model] if name.split()[-1].endswith(("KB", "MB")) else None
     base = dict(seconds_per_image=seconds_per_image, overhead_s=overhead_s, bucket_cap_mb=small,
                 sync_overhead=sync_overhead,
                 inter_link="lab-gloo" if name.startswith("ddp") or "torch" in name else "lab")
@@ -144,6 +174,16 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     return predict(question, Overrides(**shaped, overlap=share), Paths()).bands[0].point
 
 
+def sent_bytes(model: str, name: str) -> int:
+    """Gradient bytes each machine exchanges per step in layout `name`, counted from the model as the strategies
+    count them (`src.scaling.network.compressed_bytes`)."""
+    from src.scaling.network import compressed_bytes, inspect_network
+
+    config = yaml.safe_load(Path(MODELS[model][0]).read_text())["model"]
+    compression, rank = compression_of(name)
+    return compressed_bytes(inspect_network(config["class_path"], config.get("init_args")), compression, rank)[0]
+
+
 def fit_sync(result: dict, overhead_s: float, seconds_per_image: float) -> tuple[float, list[str]]:
     """The share of compute the lab's steps add once there are 2 machines, fitted on the unshaped rows without
     overlap: median over them of (measured step - predicted exposed exchange) / predicted compute - 1, at least 0.
@@ -155,13 +195,13 @@ def fit_sync(result: dict, overhead_s: float, seconds_per_image: float) -> tuple
     shares, names = [], []
     for key, values in result["lab"].items():
         rate, name = key.split("|")
-        if rate != "none" or name.startswith("ddp ") or "overlap" in name:
+        if rate != "none" or name.startswith("ddp ") or "overlap" in name or compression_of(name)[0] != "none":
             continue
         p = predicted(result["model"], name, rate, overhead_s, seconds_per_image, 0.0)
         step = statistics.median(batch / v for v in values)
         shares.append((step - (p.exchange_s - p.hidden_s)) / p.compute_s - 1)
         names.append(name)
-    return max(0.0, statistics.median(shares)), names
+    return max(0.0, statistics.median(shares)) if shares else 0.0, names
 
 
 def print_table(result: dict) -> None:
@@ -176,22 +216,26 @@ def print_table(result: dict) -> None:
     sync, fitted_on = fit_sync(result, overhead, per_image)
     print(f"\none core: {one:,.1f} images/s at batch {batch} (median of {len(result['one_core'])}); compute "
           f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image; sync overhead {sync:.1%}, fitted on "
-          f"the unshaped rows of {', '.join(fitted_on)}\n")
-    print("| link | layout | images/s | x one core | time / DDP's | step ms | exposed comm ms (hidden) "
-          "| predicted step ms | predicted exposed comm ms (hidden) | predicted x one core | step error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"the unshaped rows of {', '.join(fitted_on) or 'none (no unshaped rate measured: 0)'}\n")
+    print("| link | layout | bytes per step | images/s | x one core | time / DDP's | step ms "
+          "| exposed comm ms (hidden) | predicted step ms | predicted exposed comm ms (hidden) "
+          "| predicted x one core | step error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, values in result["lab"].items():
         rate, name = key.split("|")
         ips = statistics.median(values)
         speedup = statistics.median(v / b for v, b in zip(values, result["one_core"]))
-        ddp = result["lab"].get(f"{rate}|ddp")
+        # a compressed layout of ours is compared with DDP under torch's hook of the same compression
+        same = f"{rate}|ddp{name[4:]}" if name.startswith("ours ") and compression_of(name)[0] != "none" else None
+        ddp = result["lab"].get(same) or result["lab"].get(f"{rate}|ddp")
         to_ddp = f"{statistics.median(d / v for v, d in zip(values, ddp)):.2f}" if ddp else "-"
         tl = result["timeline"].get(key)
         p = predicted(model, name, rate, overhead, per_image, sync)
         step_ms = batch / ips * 1e3
         err = (p.step_s * 1e3 - step_ms) / step_ms
         comm = f"{tl['communication']:.1f} ({tl['hidden_communication']:.1f})" if tl else "-"
-        print(f"| {rate} | {name} | {ips:,.0f} | {speedup:.2f} | {to_ddp} | {step_ms:.1f} | {comm} | "
+        print(f"| {rate} | {name} | {sent_bytes(model, name):,} | {ips:,.0f} | {speedup:.2f} | {to_ddp} | "
+              f"{step_ms:.1f} | {comm} | "
               f"{p.step_s * 1e3:.1f} | {(p.exchange_s - p.hidden_s) * 1e3:.1f} ({p.hidden_s * 1e3:.1f}) | "
               f"{p.images_per_s / one:.2f} | {err:+.0%} |")
 
@@ -206,7 +250,12 @@ def main() -> None:
     parser.add_argument("--timeline", default="20,5", help="first recorded step and steps recorded, e.g. 20,5")
     parser.add_argument("--json", type=Path, help="write every raw figure here")
     parser.add_argument("--from-json", type=Path, help="print the table of an earlier --json; measure nothing")
+    parser.add_argument("--list-compressed", action="store_true",
+                        help="print the layouts without and with gradient compression, comma-separated, and exit")
     args = parser.parse_args()
+    if args.list_compressed:
+        print(",".join(["ours", *(f"ours {c}" for c in COMPRESSED), "ddp", *(f"ddp {c}" for c in COMPRESSED)]))
+        return
     if args.from_json:
         print_table(json.loads(args.from_json.read_text()))
         return
