@@ -87,7 +87,8 @@ def test_powersgd_is_exact_in_warm_up_then_keeps_every_replica_identical_and_sen
 
 
 def test_bf16_sends_a_quarter_of_float64_and_keeps_both_processes_identical(tiny_data_dir, tmp_path):
-    model, _, _ = fit(tiny_data_dir, _ours(compression="bf16"), steps=5, devices=2,
+    """With overlap and small buckets: every bucket goes compressed on the exchange thread while backward runs."""
+    model, _, _ = fit(tiny_data_dir, _ours(compression="bf16", overlap=True, bucket_cap_mb=0.05), steps=5, devices=2,
                       callbacks=[Snapshots(str(tmp_path), 0)])
     ranks = _load(tmp_path)
     _assert_all_equal([r["final"] for r in ranks])
