@@ -1,8 +1,11 @@
-"""Gradient compression of the exchange between processes, on one bucket (src/strategies/comm/compression.py).
+"""Gradient compression of the exchange between processes, on one bucket (src/strategies/comm/compression.py),
+and what a resume does with its saved state (src/strategies/compression_state.py).
 
 The exchange between processes is replaced by a function that adds a fixed peer buffer, as a second process
 would send it, or by the identity (one process), so every figure can be checked by hand.
 """
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +201,26 @@ def test_a_resume_takes_back_its_own_error_memory_or_the_sum_on_another_world_si
         "gradient compression: the checkpoint's PowerSGD rank 2 state is not used (this run exchanges gradients "
         "uncompressed)")
     assert restore_state(fresh, None, 2, 0, cpu) is None  # a run that starts afresh says nothing
+
+
+def test_a_compressed_checkpoint_resumed_under_another_strategy_says_its_state_is_not_used(tiny_data_dir, tmp_path,
+                                                                                          caplog):
+    """Through the CLI: a checkpoint with PowerSGD state resumed on one device trains on, with one line."""
+    import logging
+
+    from src.cli import main
+    from src.strategies.compression_state import KEY
+    from tests.helpers.cli_args import data_args, trainer_args
+
+    args = ["fit", "--config", "configs/lenet.yaml", *data_args(tiny_data_dir), "--test_after_fit", "false"]
+    first = main([*args, *trainer_args(tmp_path / "a", train_batches=2)])
+    saved = Path(first.trainer.checkpoint_callback.best_model_path)
+    checkpoint = torch.load(saved, weights_only=True)
+    checkpoint[KEY] = _trained().state_dict() | {"world_size": 2, "errors_by_rank": [{}, {}]}
+    torch.save(checkpoint, tmp_path / "compressed.ckpt")
+    with caplog.at_level(logging.INFO):
+        resumed = main([*args, *trainer_args(tmp_path / "b", max_epochs=2, train_batches=2),
+                        "--ckpt_path", str(tmp_path / "compressed.ckpt")])
+    assert resumed.trainer.global_step == 4
+    assert ("gradient compression: the checkpoint's PowerSGD rank 2 state is not used (this run's strategy does "
+            "not read it)") in caplog.text

@@ -14,7 +14,8 @@ What a resume does with it (one line says which, on rank 0):
   their sum (`src.strategies.comm.compression`), so the next step is the same up to rounding;
 * another method or rank, or a checkpoint without the key (saved uncompressed, by one device or DDP): the
   compression starts anew, warm-up steps included;
-* a run without compression ignores the key.
+* a run without compression ignores the key, with a line that says so (under another strategy the CLI says it,
+  `src.cli`).
 """
 
 from typing import Any
@@ -63,12 +64,12 @@ def restore_state(compression: Compression | None, saved: dict[str, Any] | None,
     saved = saved or None
     if compression is None:
         return None if saved is None else (
-            f"gradient compression: the checkpoint's {_describe(saved)} state is not used (this run exchanges "
+            f"gradient compression: the checkpoint's {describe(saved)} state is not used (this run exchanges "
             "gradients uncompressed)")
     if saved is None or saved.get("method") != compression.name or saved.get("rank") != getattr(
             compression, "rank", None):
-        why = "the checkpoint holds none" if saved is None else f"the checkpoint's is for {_describe(saved)}"
-        return f"gradient compression: {_describe(compression.state_dict())} starts anew ({why})"
+        why = "the checkpoint holds none" if saved is None else f"the checkpoint's is for {describe(saved)}"
+        return f"gradient compression: {describe(compression.state_dict())} starts anew ({why})"
     by_rank = saved.get("errors_by_rank")
     saved_world = int(saved.get("world_size", world_size))
     if by_rank is None:
@@ -83,7 +84,7 @@ def restore_state(compression: Compression | None, saved: dict[str, Any] | None,
         errors = {i: e.to(device) for i, e in errors.items()}
     state = dict(saved, q={i: q.to(device) for i, q in saved.get("q", {}).items()})
     compression.load_state_dict(state, errors)
-    return f"gradient compression: {_describe(saved)} resumed at step {compression.steps}{how}"
+    return f"gradient compression: {describe(saved)} resumed at step {compression.steps}{how}"
 
 
 def _summed(by_rank: list[dict[int, Tensor]]) -> dict[int, Tensor]:
@@ -94,6 +95,6 @@ def _summed(by_rank: list[dict[int, Tensor]]) -> dict[int, Tensor]:
     return total
 
 
-def _describe(state: dict[str, Any]) -> str:
-    """ "PowerSGD rank 2" or "bf16"."""
+def describe(state: dict[str, Any]) -> str:
+    """A saved compression state in words: "PowerSGD rank 2" or "bf16"."""
     return f"PowerSGD rank {state.get('rank')}" if state.get("method") == "powersgd" else str(state.get("method"))
