@@ -19,11 +19,11 @@ from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
-from src.strategies.comm.compression import make_compression
+from src.strategies.comm.compression import check_powersgd, make_compression
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
 from src.strategies.compression_state import KEY as COMPRESSION_KEY, gather_state, restore_state
-from src.strategies.comm.vocabulary import compression_tag, exchange_name
+from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice, compression_tag, exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.follow import Replica0Watch
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
@@ -88,9 +88,9 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             and other vectors always travel as they are).
 
     Raises:
-        ValueError: Bad devices, algorithm, weights or buffer mode (at construction); a layout that does not
-            fit (at setup: see `src.strategies.limits.check_layout`); a global batch smaller than the number
-            of replicas (at the step).
+        ValueError: Bad devices, algorithm, weights, buffer mode or compression settings (at construction); a
+            layout that does not fit (at setup: see `src.strategies.limits.check_layout`); a global batch smaller
+            than the number of replicas (at the step).
         RuntimeError: Manual optimization, fp16 with a gradient scaler, or `sync_batchnorm` with
             `split_weights: auto`.
     """
@@ -113,7 +113,9 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         self.compression_options = dict(rank=powersgd_rank, warmup_steps=powersgd_warmup_steps,
                                         error_feedback=error_feedback, warm_start=warm_start,
                                         min_compression_rate=min_compression_rate)
-        make_compression(compression, 1, lambda n, size: 0, **self.compression_options)  # checks the options
+        check_choice("compression", compression, COMPRESSIONS)
+        if compression == "powersgd":
+            check_powersgd(powersgd_rank, powersgd_warmup_steps, min_compression_rate)
         self.compression_name = compression
         self._saved_compression: dict | None = None  # a resumed checkpoint's compression state ({}: none in it)
         check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice, compressed_rank, matrix_shape
-from src.timeline.labels import phase
+from src.timeline.labels import phase, recording
 
 # allreduce (sum) of a 1-D tensor over the processes, in place; the bytes this process sent or None
 Between = Callable[[Tensor], int | None]
@@ -88,8 +88,9 @@ class _Compression:
             Bytes this process sent (0 when `between` does not say); also added to `bytes_sent`.
         """
         raw = self.wire_bytes(flat.numel(), flat.element_size())
-        planned = self._planned_bytes(flat, shapes)
-        with phase(f"allreduce {self.name}: {planned:,} of {raw:,} bytes"):
+        # the span's name is worked out only while a step timeline records (`phase` ignores it otherwise)
+        label = f"allreduce {self.name}: {self._planned_bytes(flat, shapes):,} of {raw:,} bytes" if recording() else ""
+        with phase(label):
             sent = self._allreduce_(flat, param_ids, shapes, between)
         self.bytes_sent += sent
         self.bytes_uncompressed += raw
@@ -186,7 +187,7 @@ class PowerSGDCompression(_Compression):
         grads = [g.view(s) for g, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
         ranks = [compressed_rank(s, self.rank, self.min_compression_rate) for s in shapes]
         plain = [g for g, r in zip(grads, ranks) if not r]
-        matrices, ps, qs, ids = [], [], [], []
+        compressed, matrices, ps, qs = [], [], [], []  # (parameter index, its gradient), M, P, Q per matrix
         for i, g, r in zip(param_ids, grads, ranks):
             if not r:
                 continue
@@ -194,17 +195,17 @@ class PowerSGDCompression(_Compression):
             if self.error_feedback and i in self.errors:
                 m = m + self.errors[i]
             q = self._start_q(i, m.shape[1], r, m)
+            compressed.append((i, g))
             matrices.append(m)
             ps.append(m @ q)
             qs.append(q)
-            ids.append(i)
         first = torch.cat([t.reshape(-1) for t in plain + ps]) if plain or ps else flat.new_zeros(0)
         sent = (between(first) or 0) if first.numel() else 0
         offset = 0
         for t in plain + ps:  # the plain gradients back into the bucket, the P's summed
             t.copy_(first[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-        for p, m, k in zip(ps, matrices, range(len(qs))):
+        for k, (p, m) in enumerate(zip(ps, matrices)):
             orthogonalize_(p)
             qs[k] = m.T @ p
         if qs:
@@ -214,7 +215,7 @@ class PowerSGDCompression(_Compression):
             for k, q in enumerate(qs):
                 qs[k] = second[offset:offset + q.numel()].view_as(q).clone()
                 offset += q.numel()
-        for i, g, m, p, q in zip(ids, (g for g, r in zip(grads, ranks) if r), matrices, ps, qs):
+        for (i, g), m, p, q in zip(compressed, matrices, ps, qs):
             approx = p @ q.T
             if self.error_feedback:
                 self.errors[i] = m - approx / self.world_size
