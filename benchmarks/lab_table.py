@@ -46,22 +46,54 @@ WARMUP = "2"
 
 
 def layouts(model: str) -> dict[str, list[str]]:
-    """The table's layouts for `model`: ours ring and torch, overlap, DDP; the default and a small bucket."""
+    """The table's default layouts for `model` and their CLI arguments: ours ring and torch, overlap, DDP; the
+    default and a small bucket; with and without compression."""
     mb = SMALL_BUCKET_MB[model]
     small = f"{mb * 1024:g}KB" if mb < 1 else f"{mb:g}MB"
-    bucket = ["--trainer.strategy.init_args.bucket_cap_mb", str(mb)]
-    overlap = ["--trainer.strategy.init_args.overlap", "true"]
-    return {
-        "ours": ["--config", PROCESSES],
-        f"ours {small}": ["--config", PROCESSES, *bucket],
-        f"ours overlap {small}": ["--config", PROCESSES, *overlap, *bucket],
-        "ours torch": ["--config", PROCESSES, "--trainer.strategy.init_args.process_allreduce", "torch"],
-        "ddp": ["--config", "configs/strategy/ddp_cpu.yaml"],
-        f"ddp {small}": ["--config", "configs/strategy/ddp_cpu.yaml", *bucket],
-        **{f"ours {c}": ["--config", PROCESSES, *compression_args(c)] for c in COMPRESSED},
-        **{f"ddp {c}": ["--config", "configs/strategy/ddp_cpu_powersgd.yaml", *compression_args(c)]
-           for c in COMPRESSED},
-    }
+    names = ["ours", f"ours {small}", f"ours overlap {small}", "ours torch", "ddp", f"ddp {small}",
+             *(f"ours {c}" for c in COMPRESSED), *(f"ddp {c}" for c in COMPRESSED)]
+    return {name: layout_args(name) for name in names}
+
+
+def bucket_mb(name: str) -> float | None:
+    """The bucket capacity (MiB) a layout name asks for with a word like "64KB" or "4MB"; None: the default."""
+    for word in name.split():
+        for unit, scale in (("KB", 1 / 1024), ("MB", 1.0)):
+            if word.endswith(unit) and word[:-2].replace(".", "", 1).isdigit():
+                return float(word[:-2]) * scale
+    return None
+
+
+def layout_args(name: str) -> list[str]:
+    """CLI arguments of a layout name: "ours" or "ddp", then any of "overlap" (ours), "torch" (ours: the backend's
+    allreduce between processes), a bucket size ("64KB", "4MB") and a compression ("bf16", "powersgd r2").
+
+    Raises:
+        SystemExit: For a name of another shape.
+    """
+    option = "--trainer.strategy.init_args."
+    words = name.split()
+    compression, _ = compression_of(name)
+    if words[0] == "ours":
+        args = ["--config", PROCESSES]
+    elif words[0] == "ddp":
+        overlay = "ddp_cpu_powersgd.yaml" if compression != "none" else "ddp_cpu.yaml"
+        args = ["--config", f"configs/strategy/{overlay}"]
+    else:
+        raise SystemExit(f"unknown layout {name!r}: it starts with 'ours' or 'ddp'")
+    known = {"overlap", "torch", *" ".join(COMPRESSED).split()}
+    odd = [w for w in words[1:] if w not in known and bucket_mb(w) is None]
+    if odd or (words[0] == "ddp" and ({"overlap", "torch"} & set(words))):
+        raise SystemExit(f"unknown layout {name!r}: see `layout_args` in benchmarks/lab_table.py")
+    if "overlap" in words:
+        args += [option + "overlap", "true"]
+    if "torch" in words:
+        args += [option + "process_allreduce", "torch"]
+    if bucket_mb(name) is not None:
+        args += [option + "bucket_cap_mb", f"{bucket_mb(name):g}"]
+    if compression != "none":
+        args += compression_args(next(c for c in COMPRESSED if name.endswith(c)))
+    return args
 
 
 def compression_args(name: str) -> list[str]:
@@ -111,7 +143,7 @@ def measure(model: str, rates: list[str], names: list[str], rounds: int, batches
             timeline_steps: tuple[int, int]) -> dict:
     """Every measurement of the table, as plain data (see the module docstring)."""
     batch = MODELS[model][1]
-    table = layouts(model)
+    table = {name: layout_args(name) for name in names}
     result: dict = {"model": model, "batch": batch, "batches": batches, "one_core": [], "one_core_half": [],
                     "lab": {f"{r}|{n}": [] for r in rates for n in names}, "timeline": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,8 +192,7 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     question = Question(config=MODELS[model][0], hardware="lab", devices=[2], algorithms=["ring"],
                         batch_mode="global", batch_size=MODELS[model][1], compression=compression,
                         powersgd_rank=rank)
-    small = SMALL_BUCKET_MB[model] if name.split()[-1].endswith(("KB", "MB")) else None
-    base = dict(seconds_per_image=seconds_per_image, overhead_s=overhead_s, bucket_cap_mb=small,
+    base = dict(seconds_per_image=seconds_per_image, overhead_s=overhead_s, bucket_cap_mb=bucket_mb(name),
                 sync_overhead=sync_overhead,
                 inter_link="lab-gloo" if name.startswith("ddp") or "torch" in name else "lab")
     shaped = dict(base, link_rate=None if rate == "none" else rate)
@@ -244,7 +275,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="lenet", choices=list(MODELS))
     parser.add_argument("--rates", default="none,1gbit,100mbit", help="link rates, comma-separated (tc notation)")
-    parser.add_argument("--layouts", help="comma-separated layout names (default all of the model's)")
+    parser.add_argument("--layouts", help="comma-separated layout names (default all of the model's), e.g. "
+                        "'ours,ours overlap 410KB,ours torch,ddp 64KB,ours powersgd r2' (see layout_args)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=80, help="training steps timed per trial (plus 5)")
     parser.add_argument("--timeline", default="20,5", help="first recorded step and steps recorded, e.g. 20,5")
@@ -260,9 +292,8 @@ def main() -> None:
         print_table(json.loads(args.from_json.read_text()))
         return
     names = args.layouts.split(",") if args.layouts else list(layouts(args.model))
-    unknown = [n for n in names if n not in layouts(args.model)]
-    if unknown:
-        raise SystemExit(f"unknown layouts {unknown}; choose from {list(layouts(args.model))}")
+    for name in names:
+        layout_args(name)  # refuses a name of another shape before anything runs
     start, steps = (int(x) for x in args.timeline.split(","))
     result = measure(args.model, args.rates.split(","), names, args.rounds, args.batches + 5, (start, steps))
     if args.json:
