@@ -18,9 +18,7 @@ Each instant of it is put in exactly one category, from the spans active on that
 The innermost span decides (the one that started last): an allreduce run from a backward hook counts as
 communication, not as the backward around it. Separately, **hidden communication** is the time a collective
 ran on another thread while the loop's thread computed: communication that overlapped compute and cost no step
-time. A send or receive posted from the loop's thread (overlap between CPU processes) shows as a span on that
-thread from its start until it completes; while the thread runs other operators inside it, it counts as hidden,
-not as exposed (`posted_ops`).
+time.
 """
 
 import json
@@ -111,7 +109,7 @@ def classify_step(spans: list[Span], step: Span) -> dict[str, float]:
     totals = dict.fromkeys((*CATEGORIES, "hidden_communication"), 0.0)
     for lo, hi, active in segments(main + other, step.start, step.end):
         on_main = [s for s in active if s.tid == step.tid]
-        background = any(s.tid != step.tid for s in active) or bool(posted_ops(on_main))
+        background = any(s.tid != step.tid for s in active)
         what = category_at(on_main, background)
         totals[what] += hi - lo
         if what == "compute" and background:
@@ -121,29 +119,9 @@ def classify_step(spans: list[Span], step: Span) -> dict[str, float]:
     return out
 
 
-def posted_ops(on_main: list[Span]) -> list[Span]:
-    """Of the spans active at one instant on the loop's thread, the communication operations that were posted and
-    run on the backend's threads meanwhile: the profiler shows a posted send or receive (`gloo:send`, ...) from
-    its start on the posting thread until it completes, and that thread ran another operator started inside it."""
-    comm = [s for s in on_main if is_comm_op(s.name)]
-    work = [s for s in on_main if s.cat == "cpu_op" and not is_comm_op(s.name)]
-    return [c for c in comm if any(w.start >= c.start for w in work)]
-
-
-def posted_spans(spans: list[Span], tid: int | str) -> list[Span]:
-    """The communication operations of thread `tid` that ran while it went on with other operators (posted sends
-    and receives, see `posted_ops`), over the whole trace."""
-    work = [s for s in spans if s.tid == tid and s.cat == "cpu_op" and not is_comm_op(s.name)]
-    return [c for c in spans if c.tid == tid and is_comm_op(c.name)
-            and any(c.start <= w.start < c.end for w in work)]
-
-
 def category_at(on_main: list[Span], background: bool) -> str:
     """The category of an instant, from the spans active on the loop's thread and whether a collective runs on
-    another thread of the process, or was posted and runs on the backend's threads (the rules of the module
-    docstring)."""
-    posted = posted_ops(on_main)
-    on_main = [s for s in on_main if s not in posted]
+    another thread of the process (the rules of the module docstring)."""
     labelled = [s for s in on_main if category_of(s.name) is not None]
     if not labelled:
         return "unattributed"

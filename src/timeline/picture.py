@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from src.timeline.breakdown import (Span, category_at, category_of, is_comm_op, posted_ops,  # noqa: E402
-                                    posted_spans, replica_of, segments, step_number, steps_of)
+from src.timeline.breakdown import (Span, category_at, category_of, is_comm_op, replica_of, segments, step_number,  # noqa: E402
+                                    steps_of)
 
 COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "communication": "#C44E52",
            "waiting": "#8C8C8C", "loop": "#CCB974"}
@@ -63,8 +63,7 @@ def lane_bars(spans: list[Span], loop_tid: int | str, lo: float, hi: float
     for tid in {s.tid for s in labelled}:
         extra = ops + background if tid == loop_tid else []
         for a, b, active in segments([s for s in labelled if s.tid == tid] + extra, lo, hi):
-            posted = posted_ops([s for s in active if s.tid == loop_tid]) if tid == loop_tid else []
-            mine = [s for s in active if id(s) in lanes and s not in posted]
+            mine = [s for s in active if id(s) in lanes]
             if not mine:
                 continue
             inner = max(mine, key=lambda s: (s.start, -s.end))
@@ -111,7 +110,6 @@ def draw(processes: list[list[Span]], replicas_per_process: int, title: str, fir
             for phase, bars in own.items():
                 ax.broken_barh(bars, (y + 0.3, 0.55), color=COLOURS[phase])
         background = [s for s in processes[p] if s.tid != loop_tid and is_comm_op(s.name)]
-        background += posted_spans(processes[p], loop_tid)  # sends and receives moved by gloo's threads
         comm = [(a, w) for a, w in ((max(s.start, lo), min(s.end, hi) - max(s.start, lo)) for s in background)
                 if w > 0]
         ax.broken_barh([((a - lo) / 1000, w / 1000) for a, w in comm], (y + 0.05, 0.2),

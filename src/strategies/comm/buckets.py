@@ -11,7 +11,7 @@ from torch import Tensor
 
 from src.strategies.comm.allreduce import broadcast_, nbytes, allreduce_, reduce_
 from src.strategies.comm.compression import Compression
-from src.strategies.comm.hierarchical import PostBetween, start_two_level_allreduce_, two_level_allreduce_
+from src.strategies.comm.hierarchical import two_level_allreduce_
 from src.timeline.labels import phase
 
 
@@ -90,38 +90,6 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
         for group, flat in zip(members, flats):
             copy_back_(flat, [p.grad for p in group])
     return sent
-
-
-def start_bucket_allreduce_(members: Sequence[Sequence[Tensor]], algorithm: str, post: PostBetween,
-                            index: int = 0) -> Callable[[], list[int]]:
-    """Start the allreduce (sum) of one bucket's `.grad` across K replicas and every process, and return a
-    function that finishes it: `allreduce_bucket_` without compression, split where the exchange between
-    processes has been posted and runs on the backend's threads (see
-    `src.strategies.comm.hierarchical.start_two_level_allreduce_`).
-
-    Args:
-        members: As for `allreduce_bucket_`; their gradients are read now and written by the function returned.
-        algorithm: "reduce_broadcast" or "ring".
-        post: Starts the allreduce between processes of one buffer; called as `post(buffer, (index, k))`, the
-            key naming the kept receive buffer (`process_allreduce.world_allreduce(...).post`).
-        index: The bucket's number, for its spans in the step timeline: `dp/allreduce bucket <index> (start)`
-            now, `dp/allreduce bucket <index>` in the function returned.
-
-    Returns:
-        A function that waits for the exchange, copies the sums back into the gradients and returns the bytes
-        sent by each of the K devices.
-    """
-    with phase(f"allreduce bucket {index} (start)"):
-        flats = [flatten([p.grad for p in group]) for group in members]
-        rest = start_two_level_allreduce_(flats, algorithm, lambda buffer, k: post(buffer, (index, k)))
-
-    def finish() -> list[int]:
-        with phase(f"allreduce bucket {index}"):
-            sent = rest()
-            for group, flat in zip(members, flats):
-                copy_back_(flat, [p.grad for p in group])
-        return sent
-    return finish
 
 
 def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: str,

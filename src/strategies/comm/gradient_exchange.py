@@ -5,15 +5,14 @@ Counts the bytes each device sends, and can take each replica's gradient norm be
 """
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import nn
 
 from src.strategies.comm.hierarchical import BetweenProcesses
-from src.strategies.comm.buckets import (allreduce_bucket_, allreduce_gradients_, bucket_indices,
-                                         start_bucket_allreduce_)
+from src.strategies.comm.buckets import allreduce_bucket_, allreduce_gradients_, bucket_indices
 from src.strategies.comm.compression import Compression
 from src.strategies.comm.overlap import BucketReadiness
 from src.timeline.labels import phase
@@ -29,15 +28,10 @@ class GradientExchange:
         overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready.
         between: With several processes, the allreduce between them (`src.strategies.comm.hierarchical`); every
             bucket is then summed over every replica of every process. None: this process's replicas only.
-        background: With `overlap`, let each bucket's exchange between processes go on while backward does; the
-            step waits for them after backward. This is how DDP overlaps on the CPU, where a collective mostly
-            waits for the network: run in the hook itself, the exchange would stop backward until the bytes
-            arrived. Where `between` can be posted (its `post`, e.g. the swap of two processes; see
-            `process_allreduce.world_allreduce`) and there is no compression, the hook starts the bucket's
-            exchange and gloo's own threads move it: no Python runs beside backward. Otherwise each bucket's
-            exchange runs on an exchange thread of its own, one bucket after another in index order; on one core
-            that thread and backward's hooks take turns at Python's GIL, which slowed a LeNet backward by 20 ms
-            in the lab (docs/lab.md). The sums are the same either way.
+        background: With `overlap`, run each bucket's exchange on a thread of its own, one bucket after another in
+            index order, while backward goes on; the step waits for them after backward. This is how DDP
+            overlaps on the CPU, where a collective mostly waits for the network: run in the hook itself, the
+            exchange would stop backward until the bytes arrived. The sums are the same either way.
         compression: With `between`, how each bucket travels between the processes
             (`src.strategies.comm.compression`); None: exactly. It keeps its state (step count, PowerSGD's Q's and
             error memory) from exchange to exchange.
@@ -54,12 +48,9 @@ class GradientExchange:
         self.bytes_uncompressed: list[int] = []  # per device, what the last exchange would have sent uncompressed
         self.grad_norms: list[float] = []  # per replica, before the last exchange, when asked for
         self._sent_in_backward: list[int] = []
-        beside = overlap and background
-        self._post = getattr(between, "post", None) if beside and self.compression is None else None
         # one thread: the buckets go out in index order, the same on every process
-        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="bucket-exchange")
-                        if beside and self._post is None else None)
-        self._handed: list[Callable[[], None]] = []  # waits for one bucket each, in index order
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="bucket-exchange") if overlap and background else None
+        self._handed: list[Future] = []
         self.exchanged_beside_backward = 0  # buckets the last backward handed to the exchange thread
 
     def around_backward(self, backward: Callable[[], Any], grad_norms: bool = False) -> Any:
@@ -105,14 +96,6 @@ class GradientExchange:
         return out
 
     @property
-    def overlap_mode(self) -> str | None:
-        """How buckets are exchanged during backward: "posted" (started in the hook, moved by the backend's
-        threads), "thread" (on the exchange thread), "hook" (inside the hook) or None (after backward)."""
-        if self.readiness is None:
-            return None
-        return "posted" if self._post is not None else "thread" if self._worker is not None else "hook"
-
-    @property
     def reduced_in_backward(self) -> int | None:
         """With overlap, how many buckets the last exchange reduced during backward; None without it."""
         return len(self.readiness.reduced) if self.readiness is not None else None
@@ -129,44 +112,28 @@ class GradientExchange:
         if not trainable:
             return
         members = [[ps[i] for i in trainable] for ps in self.params]
-        # its gradients are final: backward writes only the buckets after it from now on
-        if self._post is not None:
-            finish = start_bucket_allreduce_(members, self.algorithm, self._post, b)
-            self._handed.append(lambda: self._count_sent(finish()))
-        elif self._worker is not None:
-            self._handed.append(self._worker.submit(self._reduce_members, members, b, trainable).result)
-        else:
+        if self._worker is None:
             self._reduce_members(members, b, trainable)
+        else:  # its gradients are final: backward writes only the buckets after it from now on
+            self._handed.append(self._worker.submit(self._reduce_members, members, b, trainable))
 
     def _reduce_members(self, members: list[list[nn.Parameter]], b: int, trainable: list[int]) -> None:
-        self._count_sent(allreduce_bucket_(members, self.algorithm, self.between, b, self.compression, trainable))
-
-    def _count_sent(self, sent: list[int]) -> None:
+        sent = allreduce_bucket_(members, self.algorithm, self.between, b, self.compression, trainable)
         for dev, n in enumerate(sent):
             self._sent_in_backward[dev] += n
 
     def _finish_handed(self, raise_errors: bool = True) -> None:
-        """Wait for every bucket exchanged beside this backward, in index order (a `dp/allreduce ...` span: the
+        """Wait for every bucket handed to the exchange thread in this backward (a `dp/allreduce ...` span: the
         exchange the step could not hide); raises the first error of one, if `raise_errors`."""
         handed, self._handed = self._handed, []
         self.exchanged_beside_backward = len(handed)
         if not handed:
             return
         with phase("allreduce (waiting for buckets)"):
-            errors = [_error_of(wait) for wait in handed]
+            errors = [f.exception() for f in handed]
         first = next((e for e in errors if e is not None), None)
         if first is not None and raise_errors:
             raise first
-
-
-def _error_of(wait: Callable[[], Any]) -> BaseException | None:
-    """Run `wait`; the exception it raised, or None. Every bucket is waited for, even after one failed: none
-    may still be written into by the backend when the step is given up."""
-    try:
-        wait()
-    except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises the first
-        return error
-    return None
 
 
 def _grad_norm(params: list[nn.Parameter]) -> float:

@@ -40,49 +40,14 @@ def two_level_allreduce_(buffers: Sequence[Tensor], algorithm: str, between: Bet
         Bytes sent by each of the K local devices, both levels (the level between processes only when
         `between` reports its bytes).
     """
-    def at_once(buffer: Tensor, _key: int) -> Callable[[], int | None]:
-        sent = between(buffer)
-        return lambda: sent
-    return start_two_level_allreduce_(buffers, algorithm, at_once)()
-
-
-# start the allreduce of one 1-D tensor over the processes (the second argument names the local device whose
-# chunk it is); the function returned waits for it and returns the bytes this process sent, or None
-PostBetween = Callable[[Tensor, int], Callable[[], int | None]]
-
-
-def start_two_level_allreduce_(buffers: Sequence[Tensor], algorithm: str,
-                               post: PostBetween) -> Callable[[], list[int]]:
-    """`two_level_allreduce_` in two halves: the level inside the process and the start of the level between
-    processes now, the rest in the function returned. Between the two, the exchange between processes can run on
-    the backend's threads while this one goes on (overlap with backward between CPU processes).
-
-    Args:
-        buffers: As for `two_level_allreduce_`; not to be touched until the function returned has run.
-        algorithm: As for `two_level_allreduce_`.
-        post: Starts the allreduce between processes of one chunk and returns a function that waits for it
-            (`process_allreduce.world_allreduce(...).post`).
-
-    Returns:
-        A function that waits for the level between processes, finishes the level inside the process and returns
-        the bytes sent by each of the K local devices (as `two_level_allreduce_`).
-    """
     if algorithm == "ring":
         sent = reduce_scatter_(buffers)
         chunks = ring_chunks(buffers)
-        owned = [chunks[k][owned_chunk(k, len(buffers))] for k in range(len(buffers))]
-        # the same chunk sizes on every process, so all skip alike
-        waits = [(k, post(chunk, k)) for k, chunk in enumerate(owned) if chunk.numel()]
-
-        def finish_ring() -> list[int]:
-            for k, wait in waits:
-                sent[k] += wait() or 0
-            return [a + b for a, b in zip(sent, all_gather_(buffers))]
-        return finish_ring
+        for k in range(len(buffers)):
+            chunk = chunks[k][owned_chunk(k, len(buffers))]
+            if chunk.numel():  # the same chunk sizes on every process, so all skip alike
+                sent[k] += between(chunk) or 0
+        return [a + b for a, b in zip(sent, all_gather_(buffers))]
     sent = reduce_(buffers)
-    wait = post(buffers[0], 0)
-
-    def finish_reduce_broadcast() -> list[int]:
-        sent[0] += wait() or 0
-        return [a + b for a, b in zip(sent, broadcast_(buffers))]
-    return finish_reduce_broadcast
+    sent[0] += between(buffers[0]) or 0
+    return [a + b for a, b in zip(sent, broadcast_(buffers))]

@@ -10,7 +10,7 @@ each sending the other its whole buffer (the same bytes, one message latency ins
 """
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,60 +64,42 @@ def _scratch(numel: int, like: Tensor) -> Tensor:
     return kept[key][:numel]
 
 
-def _post_swap(buffer: Tensor, peer: int, group: dist.ProcessGroup | None, incoming: Tensor) -> Callable[[], int]:
-    """Start the ring of two processes in one step: send the whole buffer to `peer` (its rank in `group`) while
-    receiving its buffer into `incoming`; the returned function waits and adds. Each process sends N elements, as
-    the ring's two steps of N / 2 would; the sums are bitwise the same on both, since a + b == b + a in floating
-    point.
+def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None) -> int:
+    """The ring of two processes in one step: send the whole buffer to `peer` (its rank in `group`) while
+    receiving its buffer, then add. Each process sends N elements, as the ring's two steps of N / 2 would; the
+    sums are bitwise the same on both, since a + b == b + a in floating point.
 
     The buffer travels in pieces of `SWAP_PIECE_BYTES`, all posted at once (receives first, as `_exchange` says
-    why); the finishing function adds each piece once it has arrived and its own send is done, while the later
-    ones may still be on their way. Until it has run, neither `buffer` nor `incoming` may be touched: gloo reads
-    and writes them from threads of its own.
+    why), and each piece is added once it has arrived and its own send is done, while the later ones are still on
+    their way.
 
     Where it matters: on a 2-core AMD EPYC CPU a message between two processes took 1.5 - 3.5 ms however small
     (`benchmarks/lab_allreduce.py`), about what LeNet's 516 KB take on a 1 Gbit/s link.
 
-    Args:
-        buffer: (N,) tensor, summed in place.
-        incoming: (N,) tensor of `buffer`'s dtype and device to receive into.
-
     Returns:
-        A function that waits for both directions, leaves the sum in `buffer` and returns the bytes sent: N
-        elements' worth.
+        Bytes sent: N elements' worth.
     """
     if group is not None:
         peer = dist.get_global_rank(group, peer)
+    incoming = _scratch(buffer.numel(), buffer)
     piece = max(1, SWAP_PIECE_BYTES // buffer.element_size())
     mine, theirs = buffer.split(piece), incoming.split(piece)
     ops = [dist.P2POp(dist.irecv, t, peer, group) for t in theirs]
     ops += [dist.P2POp(dist.isend, m, peer, group) for m in mine]
     requests = dist.batch_isend_irecv(ops) if buffer.numel() else []
-
-    def finish() -> int:
-        if len(requests) != len(ops):  # NCCL coalesces the batch into one request: the pieces arrive together
-            for request in requests:
-                request.wait()
-            buffer.add_(incoming)
-            return buffer.numel() * buffer.element_size()
-        received, sent = requests[:len(theirs)], requests[len(theirs):]
-        for m, t, arrived, gone in zip(mine, theirs, received, sent):
-            # a piece is summed in place only once its own send is done: gloo reads it until then, and the peer
-            # must get this process's gradient, not a half-made sum
-            arrived.wait()
-            gone.wait()
-            m.add_(t)
+    if len(requests) != len(ops):  # NCCL coalesces the batch into one request: the pieces arrive together
+        for request in requests:
+            request.wait()
+        buffer.add_(incoming)
         return buffer.numel() * buffer.element_size()
-    return finish
-
-
-def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None) -> int:
-    """`_post_swap` into this thread's kept receive buffer, waited for at once.
-
-    Returns:
-        Bytes sent: N elements' worth.
-    """
-    return _post_swap(buffer, peer, group, _scratch(buffer.numel(), buffer))()
+    received, sent = requests[:len(theirs)], requests[len(theirs):]
+    for m, t, arrived, gone in zip(mine, theirs, received, sent):
+        # a piece is summed in place only once its own send is done: gloo reads it until then, and the peer
+        # must get this process's gradient, not a half-made sum
+        arrived.wait()
+        gone.wait()
+        m.add_(t)
+    return buffer.numel() * buffer.element_size()
 
 
 def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> int:
@@ -203,13 +185,6 @@ def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
 
     The function's `wire_bytes(numel, element_size)` says how many bytes this process sends for a buffer of
     that size (`ring_bytes`; 0 for "torch", whose bytes the backend does not report).
-
-    Its `post` is None, or, where the whole allreduce can be handed to the backend's own threads (gloo and NCCL
-    move the bytes without Python), `post(buffer, key)`: start summing the (N,) `buffer` in place and return a
-    function that waits for it and returns the bytes sent (None for "torch"). That holds for "torch"
-    (`dist.all_reduce(..., async_op=True)`) and for the ring of two processes (one swap: `_post_swap`); the ring
-    of three or more adds between its messages, so it cannot be posted. `key` names a receive buffer kept from
-    call to call (one per bucket and chunk: exchanges posted together need buffers of their own).
     """
     implementation = process_allreduce(name)
 
@@ -220,21 +195,4 @@ def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
     def wire_bytes(numel: int, element_size: int) -> int:
         return ring_bytes(numel, element_size, dist.get_world_size(), dist.get_rank()) if name == "ring" else 0
     between_processes.wire_bytes = wire_bytes
-    between_processes.post = None
-    if dist.is_initialized() and (name == "torch" or dist.get_world_size() == 2):
-        kept: dict[Hashable, Tensor] = {}
-
-        def post(buffer: Tensor, key: Hashable) -> Callable[[], int | None]:
-            with phase("allreduce (processes, posted)"):
-                if name == "torch":
-                    work = dist.all_reduce(buffer, async_op=True)
-
-                    def finish() -> None:
-                        work.wait()  # the backend does not report the bytes it sent
-                    return finish
-                incoming = kept.get(key)
-                if incoming is None or incoming.shape != buffer.shape or incoming.dtype != buffer.dtype:
-                    incoming = kept[key] = torch.empty_like(buffer)
-                return _post_swap(buffer, 1 - dist.get_rank(), None, incoming)
-        between_processes.post = post
     return between_processes
