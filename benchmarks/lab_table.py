@@ -173,7 +173,7 @@ def measure(model: str, rates: list[str], names: list[str], rounds: int, batches
 
 
 def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_image: float,
-              sync_overhead: float | None = None):
+              sync_overhead: float | None = None, core_ns_per_byte: float | None = None):
     """The predictor's step (`src.scaling.cost_model.StepPrediction`, the point of its range) for `name` on 2 lab
     machines at `rate`, given one replica's compute.
 
@@ -182,8 +182,9 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     `--sync_overhead`, and `--overlap` for the layouts that exchange buckets during backward (DDP, ours with
     overlap). On one core the CPU's own cost of moving a bucket's bytes takes the core from backward; only the
     waiting (the wire, a message's latency) can pass beside it. So the overlap share is (bytes outside the last
-    bucket) x (1 - CPU cost / exchange time), the CPU cost being the unshaped link's per-byte term, both from
-    the predictor itself.
+    bucket) x (1 - CPU cost / exchange time). The CPU cost is `core_ns_per_byte` (measured at this rate by
+    `benchmarks/lab_core_cost.py`: what a swap's bytes take from a computing core) times the bytes sent, or
+    without it the unshaped link's per-byte term from the predictor itself.
     """
     from src.scaling.forecast import Paths, Question, predict
     from src.scaling.sources import Overrides
@@ -199,9 +200,12 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     first = predict(question, Overrides(**shaped), Paths())
     if not (name.startswith("ddp") or "overlap" in name):
         return first.bands[0].point
-    cpu = predict(question, Overrides(**base, inter_alpha_s=0.0), Paths()).bands[0].point.exchange_s
+    if core_ns_per_byte is None:
+        cpu = predict(question, Overrides(**base, inter_alpha_s=0.0), Paths()).bands[0].point.exchange_s
+    else:
+        cpu = core_ns_per_byte * 1e-9 * sent_bytes(model, name)
     exchange = first.bands[0].point.exchange_s
-    share = (1 - first.net.last_bucket_share) * (1 - cpu / exchange)
+    share = (1 - first.net.last_bucket_share) * max(0.0, 1 - cpu / exchange)
     return predict(question, Overrides(**shaped, overlap=share), Paths()).bands[0].point
 
 
@@ -235,8 +239,15 @@ def fit_sync(result: dict, overhead_s: float, seconds_per_image: float) -> tuple
     return max(0.0, statistics.median(shares)) if shares else 0.0, names
 
 
-def print_table(result: dict) -> None:
-    """The markdown table of `result`, with the predictor's figures next to the measured ones."""
+def print_table(result: dict, core_cost: dict[str, float] | None = None) -> None:
+    """The markdown table of `result`, with the predictor's figures next to the measured ones.
+
+    Args:
+        result: What `measure` returned.
+        core_cost: Per rate (as in `--rates`), the nanoseconds per byte sent that a transfer takes from a computing
+            core (`benchmarks/lab_core_cost.py`), for the overlapping layouts; rates missing from it, or None, use
+            the unshaped link's per-byte cost.
+    """
     model, batch = result["model"], result["batch"]
     one = statistics.median(result["one_core"])
     # the predictor's compute: a line through the median one-core step times at B / 2 and B
@@ -261,7 +272,7 @@ def print_table(result: dict) -> None:
         ddp = result["lab"].get(same) or result["lab"].get(f"{rate}|ddp")
         to_ddp = f"{statistics.median(d / v for v, d in zip(values, ddp)):.2f}" if ddp else "-"
         tl = result["timeline"].get(key)
-        p = predicted(model, name, rate, overhead, per_image, sync)
+        p = predicted(model, name, rate, overhead, per_image, sync, (core_cost or {}).get(rate))
         step_ms = batch / ips * 1e3
         err = (p.step_s * 1e3 - step_ms) / step_ms
         comm = f"{tl['communication']:.1f} ({tl['hidden_communication']:.1f})" if tl else "-"
@@ -276,20 +287,23 @@ def main() -> None:
     parser.add_argument("--model", default="lenet", choices=list(MODELS))
     parser.add_argument("--rates", default="none,1gbit,100mbit", help="link rates, comma-separated (tc notation)")
     parser.add_argument("--layouts", help="comma-separated layout names (default all of the model's), e.g. "
-                        "'ours,ours overlap 410KB,ours torch,ddp 64KB,ours powersgd r2' (see layout_args)")
+                        "'ours,ours overlap 300KB,ours torch,ddp 64KB,ours powersgd r2' (see layout_args)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=80, help="training steps timed per trial (plus 5)")
     parser.add_argument("--timeline", default="20,5", help="first recorded step and steps recorded, e.g. 20,5")
     parser.add_argument("--json", type=Path, help="write every raw figure here")
+    parser.add_argument("--core-cost", type=Path, help="JSON of {rate: ns per byte} from benchmarks/lab_core_cost.py "
+                        "(the predictor's CPU cost of an overlapping exchange)")
     parser.add_argument("--from-json", type=Path, help="print the table of an earlier --json; measure nothing")
     parser.add_argument("--list-compressed", action="store_true",
                         help="print the layouts without and with gradient compression, comma-separated, and exit")
     args = parser.parse_args()
+    core_cost = json.loads(args.core_cost.read_text()) if args.core_cost else None
     if args.list_compressed:
         print(",".join(["ours", *(f"ours {c}" for c in COMPRESSED), "ddp", *(f"ddp {c}" for c in COMPRESSED)]))
         return
     if args.from_json:
-        print_table(json.loads(args.from_json.read_text()))
+        print_table(json.loads(args.from_json.read_text()), core_cost)
         return
     names = args.layouts.split(",") if args.layouts else list(layouts(args.model))
     for name in names:
@@ -298,7 +312,7 @@ def main() -> None:
     result = measure(args.model, args.rates.split(","), names, args.rounds, args.batches + 5, (start, steps))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
-    print_table(result)
+    print_table(result, core_cost)
 
 
 if __name__ == "__main__":
