@@ -11,7 +11,8 @@ Run under torchrun (the lab starts it on every machine, each pinned to its core)
 compute job (float32 matrix products, 1 thread) alone, then while the two swap `--mib` MiB (`isend`/`irecv`, posted
 just before the job, on gloo's threads), alternately `--repeats` times. The job's extra time, divided by the bytes
 this process sent, is what each byte costs the core while it computes: the kernel's packet work, the token
-bucket's timers, gloo's copies. A run whose transfer outlasted the job is refused: the job must cover it.
+bucket's timers, gloo's copies. A run in which most transfers outlasted their job is refused: the job must
+cover the transfer.
 
 Rank 0 prints the medians and, with `--out`, adds `{rate: nanoseconds per byte}` to that JSON file, which
 `benchmarks/lab_table.py --core-cost` reads: on one core, overlap can hide a bucket's wire time only less this
@@ -69,7 +70,7 @@ def main() -> None:
         late += waited > 1e-3
         alone.append(t_alone)
         beside.append(t_beside)
-    extra = statistics.median(b - a for a, b in zip(alone, beside))
+    extra = statistics.median(b - a_ for a_, b in zip(alone, beside))
     counts = torch.tensor([extra, float(late)], dtype=torch.float64)
     dist.all_reduce(counts)
     extra, late = counts[0].item() / 2, int(counts[1].item())
@@ -86,6 +87,7 @@ def main() -> None:
         known = json.loads(args.out.read_text()) if args.out.exists() else {}
         known[args.rate] = round(ns_per_byte, 3)
         args.out.write_text(json.dumps(known, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()
