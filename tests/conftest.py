@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from tests.helpers import cli_args
 from tests.helpers.idx import write_fashion_mnist
@@ -35,3 +36,13 @@ def pytest_collection_modifyitems(config, items):
     last tests to start are short ones, so neither worker waits long for the other at the end.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
+        if gpus < needed:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, this machine has {gpus} "
+                       "(run on a GPU machine: bash scripts/gpu_check.sh)"))

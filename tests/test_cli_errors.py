@@ -34,7 +34,7 @@ def _fails(args, capsys, *expected):
     ([*SPLIT, "--trainer.strategy.init_args.allreduce", "tree"], ["allreduce", "'ring', 'reduce_broadcast'", "tree"]),
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"], ["3 entries but there are 2 replicas"]),
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 0]"], ["split_weights must all be positive"]),
-    ([*SPLIT, "--trainer.strategy.init_args.devices", "[cpu, cuda:3]"], ["cuda:3"]),
+    ([*SPLIT, "--trainer.strategy.init_args.devices", "[cpu, cuda:64]"], ["cuda:64"]),  # past any one machine's GPUs
     ([*PROCS, "--data.batch_size", "3", "--trainer.strategy.init_args.replicas_per_process", "2"],
      ["data.batch_size=3 is smaller than the 4 replicas"]),
     ([*PROCS, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"],
@@ -46,11 +46,11 @@ def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
     assert not list((tmp_path / "logs").glob("**/version_*"))  # nothing written for a run that never started
 
 
-def test_cuda_without_a_gpu(fast_args, capsys):
+def test_cuda_without_a_gpu(fast_args, capsys, monkeypatch):
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without GPUs, whatever this one has
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     _fails([*LENET, *fast_args, *SPLIT, "--trainer.strategy.init_args.devices", "[cuda, cpu]"], capsys, "no CUDA GPU")
 
 

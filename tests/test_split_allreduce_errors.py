@@ -9,17 +9,29 @@ from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import fit
 
 
+def _no_gpu(monkeypatch) -> None:
+    """Pin the test to a machine without CUDA GPUs, whatever this one has: the messages are what is tested."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 @pytest.mark.parametrize("devices, message", [
     (["cuda:3"], "cuda:3"),
-    (["cpu", "cuda"], "no CUDA GPU" if not torch.cuda.is_available() else "cuda"),
+    (["cpu", "cuda"], "no CUDA GPU"),
     (["tpu:0"], "'tpu:0'"),
     ([], "at least one device"),
 ])
-def test_devices_that_do_not_exist(devices, message):
-    if devices == ["cuda:3"] and torch.cuda.device_count() > 3:
-        pytest.skip("this machine has a cuda:3")
+def test_devices_that_do_not_exist(devices, message, monkeypatch):
+    _no_gpu(monkeypatch)
     with pytest.raises(ValueError, match=message):
         SplitAllreduceStrategy(devices=devices)
+
+
+def test_a_gpu_index_past_the_last_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with 2 GPUs, whatever this one has
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="cuda:2.*cuda:0 to cuda:1"):
+        SplitAllreduceStrategy(devices=["cuda:0", "cuda:2"])
 
 
 @pytest.mark.parametrize("weights, message", [
@@ -41,16 +53,14 @@ def test_split_weights_checked_against_all_replicas(tiny_data_dir):
         SplitAllreduceStrategy(process_allreduce="tree")
 
 
-def test_more_gpus_than_the_node_has_is_refused():
+def test_more_gpus_than_the_node_has_is_refused(monkeypatch):
     from src.strategies.limits import check_layout
 
     strategy = SplitAllreduceStrategy(replicas_per_process=2)
     strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]  # trainer.devices: 2 on gpu
-    present = torch.cuda.device_count()
-    if present >= 4:
-        pytest.skip("this machine has 4 GPUs")
-    with pytest.raises(ValueError, match=rf"2 processes per node .* x replicas_per_process 2 = 4 GPUs, but this "
-                                         rf"machine has {present}"):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a 2-GPU machine, whatever this one has
+    with pytest.raises(ValueError, match=r"2 processes per node .* x replicas_per_process 2 = 4 GPUs, but this "
+                                         r"machine has 2"):
         check_layout(strategy)
 
 

@@ -67,12 +67,16 @@ def test_categories_are_measured_from_intervals():
              Span("dp/replica 0/backward", 40, 80, t, "user_annotation"), Span("ConvBackward", 40, 60, t, "cpu_op"),
              Span("gloo:all_reduce", 50, 75, 8, "user_annotation"),
              Span("dp/allreduce bucket 0", 80, 90, t, "user_annotation"), Span("aten::add_", 81, 89, t, "cpu_op"),
-             Span("dp/wait/global batch size", 90, 95, t, "user_annotation")]
+             Span("dp/wait/global batch size", 90, 95, t, "user_annotation"),
+             # a GPU stream: two kernels overlapping 15-30 and 20-35, a copy 90-96, a kernel past the step 100-120
+             Span("void conv_kernel", 15, 30, "stream 7", "kernel"), Span("void gemm", 20, 35, "stream 7", "kernel"),
+             Span("Memcpy DtoH", 90, 96, "stream 7", "gpu_memcpy"), Span("void late", 100, 120, "stream 7", "kernel")]
     row = classify_step(spans, spans[0])
     ms = {k: round(v * 1000, 6) for k, v in row.items()}
-    # compute: forward 10-40 and backward 40-60, plus 75-80 (no op but no collective either)
+    # compute: forward 10-40 and backward 40-60, plus 75-80 (no op but no collective either); GPU busy: the union
+    # 15-35 and 90-96 inside the step
     assert ms == {"compute": 55.0, "communication": 25.0, "waiting": 5.0, "loop": 10.0, "unattributed": 5.0,
-                  "hidden_communication": 10.0, "step": 100.0}
+                  "hidden_communication": 10.0, "gpu_busy": 26.0, "step": 100.0}
 
 
 def test_recording_backward_per_replica_is_bitwise_the_same(tiny_data_dir, tmp_path):

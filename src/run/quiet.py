@@ -25,6 +25,29 @@ PYTREE_MODULE = r"lightning\.pytorch\.utilities\._pytree"
 ALL_GATHER_DEPRECATION = r"torch\.distributed\.nn\.functional\.all_gather is deprecated"
 ALL_GATHER_MODULE = r"lightning\.fabric\.utilities\.distributed"
 
+# Lightning warns on every run that leaves a GPU unused (lightning/pytorch/trainer/setup.py, `_log_device_info`).
+# Every shipped config names its accelerator on purpose (configs/lenet.yaml stays on the CPU so the main job's
+# figure is the CPU's, bitwise), and Lightning's own info line just before it ("GPU available: True (cuda), used:
+# False") and the epoch line ("... on cpu") already say where the run is. `--trainer.accelerator gpu` moves it.
+GPU_UNUSED = r"GPU available but not used"
+
+# Lightning's model summary knows no size per parameter for mixed precision ("bf16-mixed", "16-mixed") and warns
+# at every such fit that it counts 32 bits (lightning/pytorch/utilities/model_summary/model_summary.py). That is
+# right: the weights of a mixed-precision run are float32; only the autocast regions compute in 16 bits.
+SUMMARY_PRECISION = r"Precision .*-mixed is not supported by the model summary"
+
+# torch warns at the first backward under Lightning's DDP on a GPU that an AccumulateGrad node's stream is not the
+# stream of its incoming gradient (torch/csrc/autograd/input_buffer.cpp). Lightning wraps the model in
+# DistributedDataParallel on a side stream (`DDPStrategy._setup_model`, after torch's CUDA stream semantics notes),
+# and DDP keeps references to the AccumulateGrad nodes made there; the mismatch costs a stream wait per gradient
+# and is Lightning's choice, which a config cannot change.
+DDP_STREAM_MISMATCH = r"The AccumulateGrad node's stream does not match"
+
+# Lightning's tip to enable TF32 (lightning/fabric/accelerators/cuda.py, `_check_cuda_matmul_precision`). The CLI
+# decides float32 matmul precision itself (src/run/matmul_precision.py): TF32 when every device of the run is a
+# GPU, IEEE float32 when a CPU replica shares the run, so the tip would only repeat a choice already made.
+TF32_TIP = "You are using a CUDA device"
+
 # The loggers that `rank_zero_info` writes through (Lightning points lightning_utilities' helper at the last
 # of these that was imported)
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -46,10 +69,15 @@ def apply() -> None:
     warnings.filterwarnings("ignore", message=PYTREE_DEPRECATION, category=FutureWarning, module=PYTREE_MODULE)
     warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATION, category=FutureWarning,
                             module=ALL_GATHER_MODULE)
+    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH):
+        # matched by message alone: Lightning's rank_zero_warn and torch's C++ warnings are attributed to the
+        # caller's frame, which differs between call sites
+        warnings.filterwarnings("ignore", message=message)
     for name in RANK_ZERO_LOGGERS:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessage) and f.prefix == LITLOGGER_TIP for f in logger.filters):
-            logger.addFilter(_DropMessage(LITLOGGER_TIP))
+        for prefix in (LITLOGGER_TIP, TF32_TIP):
+            if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in logger.filters):
+                logger.addFilter(_DropMessage(prefix))
 
 
 apply()

@@ -18,7 +18,8 @@ Each instant of it is put in exactly one category, from the spans active on that
 The innermost span decides (the one that started last): an allreduce run from a backward hook counts as
 communication, not as the backward around it. Separately, **hidden communication** is the time a collective
 ran on another thread while the loop's thread computed: communication that overlapped compute and cost no step
-time.
+time, and **GPU busy** is the time at least one GPU kernel, copy or memset ran during the step (0 on the CPU): a
+step much longer than its GPU busy time is bound by the host.
 """
 
 import json
@@ -29,6 +30,7 @@ from pathlib import Path
 
 CATEGORIES = ("compute", "communication", "waiting", "loop", "unattributed")
 COMM_OPS = ("gloo:", "nccl:", "c10d::", "record_param_comms")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # torch.profiler's categories of work on a GPU's streams
 STEP = "dp/step "
 _REPLICA = re.compile(r"^dp/replica (\d+)/")
 
@@ -96,8 +98,8 @@ def step_number(step: Span) -> int:
 
 
 def classify_step(spans: list[Span], step: Span) -> dict[str, float]:
-    """Milliseconds of each of `CATEGORIES` in `step` (they sum to its length), plus "hidden_communication"
-    and "step".
+    """Milliseconds of each of `CATEGORIES` in `step` (they sum to its length), plus "hidden_communication",
+    "gpu_busy" (the union of the GPU's kernels, copies and memsets within the step) and "step".
 
     Args:
         spans: The process's spans (all threads).
@@ -115,6 +117,8 @@ def classify_step(spans: list[Span], step: Span) -> dict[str, float]:
         if what == "compute" and background:
             totals["hidden_communication"] += hi - lo
     out = {k: v / 1000.0 for k, v in totals.items()}
+    gpu = [s for s in spans if s.cat in GPU_CATS and s.end > step.start and s.start < step.end]
+    out["gpu_busy"] = sum(hi - lo for lo, hi, active in segments(gpu, step.start, step.end) if active) / 1000.0
     out["step"] = (step.end - step.start) / 1000.0
     return out
 

@@ -6,10 +6,10 @@ import io
 
 from src.timeline.breakdown import CATEGORIES
 
-COLUMNS = ("step", *CATEGORIES, "hidden_communication")
+COLUMNS = ("step", *CATEGORIES, "hidden_communication", "gpu_busy")
 HEADINGS = {"step": "step", "compute": "compute", "communication": "exposed communication",
             "waiting": "waiting", "loop": "loop overhead", "unattributed": "unattributed",
-            "hidden_communication": "hidden communication"}
+            "hidden_communication": "hidden communication", "gpu_busy": "GPU busy"}
 
 
 def table_rows(medians: list[dict[str, float]], steps: list[int]) -> list[dict[str, float | int]]:
