@@ -65,6 +65,30 @@ def test_the_filters_hide_only_their_own_message():
     assert not logger.filter(tip) and logger.filter(other)
 
 
+def test_the_gpu_run_messages_are_hidden_and_only_they():
+    """The messages every GPU run printed (Lightning's unused-GPU warning, its model summary's precision warning,
+    torch's stream mismatch under DDP, Lightning's TF32 tip), as the libraries raise them, and neighbours that
+    must still show."""
+    hidden = ["GPU available but not used. You can set it by doing `Trainer(accelerator='gpu')`.",
+              "Precision bf16-mixed is not supported by the model summary.  Estimated model size in MB will not be "
+              "accurate. Using 32 bits instead.",
+              "The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
+              "gradient. This may incur unnecessary synchronization"]
+    shown = ["TPU available but not used. You can set it by doing `Trainer(accelerator='tpu')`.",
+             "Precision 16-true is not supported by something else"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        quiet.apply()
+        for message in hidden + shown:
+            warnings.warn_explicit(message, UserWarning, "setup.py", 176, module="lightning.pytorch.trainer.setup")
+    assert [str(w.message) for w in caught] == shown
+    logger = logging.getLogger(quiet.RANK_ZERO_LOGGERS[1])
+    tip = logging.makeLogRecord({"msg": "You are using a CUDA device ('NVIDIA H200') that has Tensor Cores. To "
+                                        "properly utilize them, you should set ...", "levelno": logging.INFO})
+    used = logging.makeLogRecord({"msg": "GPU available: True (cuda), used: True", "levelno": logging.INFO})
+    assert not logger.filter(tip) and logger.filter(used)
+
+
 @pytest.mark.slow  # three CLI runs, one of them with 2 processes
 def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
     # 2 training batches and a logging interval within them (Lightning warns about a longer one)
