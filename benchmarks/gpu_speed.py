@@ -18,6 +18,7 @@ syncs it makes are counted and named. Prints the table; ratios compare runs of t
 """
 
 import argparse
+import importlib
 import statistics
 import tempfile
 import time
@@ -73,22 +74,25 @@ class Window(pl.Callback):
             torch.cuda.set_sync_debug_mode("default")
             self._catch.__exit__(None, None, None)
             self._catch = None
-            Window.syncs = [str(w.message).split("\n")[0][:90] for w in self._caught
+            type(self).syncs = [str(w.message).split("\n")[0][:90] for w in self._caught
                             if "synchroniz" in str(w.message)]
         if step == WARMUP + TIMED:
             _drain()
-            Window.seconds = time.perf_counter() - self._t0
+            type(self).seconds = time.perf_counter() - self._t0
             trainer.should_stop = True
 
 
 def app_step(config: str, extra: list[str], root: str, logs: str) -> tuple[float, list[str]]:
     """ms per training step of a real CLI fit, and the syncs of one non-logging step."""
-    Window.seconds, Window.syncs = float("nan"), []
+    # the callback class as the CLI imports it by name: under `python -m` this file is also `__main__`, whose
+    # Window is another class object
+    window = importlib.import_module("benchmarks.gpu_speed").Window
+    window.seconds, window.syncs = float("nan"), []
     cli_main(["fit", "--config", config, *extra, "--data.data_dir", root, "--data.download", "false",
               "--trainer.max_steps", str(WARMUP + TIMED + 1), "--trainer.limit_val_batches", "0",
               "--test_after_fit", "false", "--trainer.logger.init_args.save_dir", logs,
               "--trainer.callbacks+=benchmarks.gpu_speed.Window"])
-    return Window.seconds / TIMED * 1e3, Window.syncs
+    return window.seconds / TIMED * 1e3, window.syncs
 
 
 def bare_step(net: nn.Module, recipe: dict, batch: int, precision: str) -> float:
@@ -101,7 +105,8 @@ def bare_step(net: nn.Module, recipe: dict, batch: int, precision: str) -> float
                            {"params": no_decay, "weight_decay": 0.0}], lr=0.01, momentum=recipe["momentum"],
                           nesterov=recipe["nesterov"])
     loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe["label_smoothing"])
-    xs = torch.randn(8, batch, 1, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
+    xs = [torch.randn(batch, 1, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
+          for _ in range(8)]
     ys = torch.randint(0, 10, (8, batch), device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 

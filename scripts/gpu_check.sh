@@ -22,8 +22,14 @@ print(f"== {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch 
 PYCHECK
 start=$SECONDS
 echo "== the gpu tests (pytest -m gpu)"
-"$PY" -m pytest -m gpu -n 0 -q -p no:cacheprovider "$@"
+tests_rc=0
+"$PY" -m pytest -m gpu -n 0 -q -p no:cacheprovider "$@" || tests_rc=$?
 tests=$((SECONDS - start))
-echo "== benchmarks/gpu_check.py"
-"$PY" -m benchmarks.gpu_check
+echo "== benchmarks/gpu_check.py"   # run even after a failed test: its table says more about what broke
+bench_rc=0
+"$PY" -m benchmarks.gpu_check || bench_rc=$?
+if [ "$tests_rc" != 0 ] || [ "$bench_rc" != 0 ]; then
+  echo "== gpu_check.sh FAILED: gpu tests exit $tests_rc, benchmarks/gpu_check.py exit $bench_rc" >&2
+  exit 1
+fi
 echo "== gpu_check.sh passed: gpu tests ${tests} s, all $((SECONDS - start)) s"

@@ -26,8 +26,10 @@ from src.run.elastic import apply_launcher_layout, fit_split_weights, resolve_au
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.run.launch_checks import check_before_run
 from src.run.lightning_compat import give_lost_rank_reports_time
+from src.run.matmul_precision import choose as choose_matmul_precision
 from src.run.hparams_table import length_words
 from src.run.logger import RunLogger, run_hparams, run_tag
+from src.run.progress import lines_when_not_a_terminal
 from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads, saved_threads
 from src.strategies.compression_state import KEY as COMPRESSION_KEY
@@ -72,7 +74,10 @@ class CLI(LightningCLI):
             if not any(isinstance(c, callback) for c in self.trainer.callbacks):
                 self.trainer.callbacks.append(callback())  # ProcessGroupCleanup reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
-        processes = parallel_layout(self.trainer.strategy).processes // max(self.trainer.num_nodes, 1)
+        lines_when_not_a_terminal(self.trainer, self.config[self.subcommand].trainer)  # no `\r` bar into a file
+        layout = parallel_layout(self.trainer.strategy)
+        processes = layout.processes // max(self.trainer.num_nodes, 1)
+        choose_matmul_precision({d.type for d in layout.replica_devices})  # TF32 on all-GPU runs (see the module)
         logger = self.trainer.logger
         if isinstance(logger, RunLogger):
             stage = "" if self.subcommand == "fit" else f"{self.subcommand}/"

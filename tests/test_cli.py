@@ -50,8 +50,12 @@ def test_resume_from_last_ckpt_continues_the_epoch_count(fast_args, tmp_path):
 
 
 def test_test_subcommand_evaluates_a_saved_run(fast_args, tmp_path):
-    main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--test_after_fit", "false"])
+    fitted = main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--test_after_fit", "true"])
+    best = fitted.trainer.checkpoint_callback.best_model_path  # what the fit's own test evaluated
     run = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0"
-    cli = main(["test", "--config", str(run / "config.yaml"), "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+    assert best and Path(best).parent == run / "checkpoints"
+    cli = main(["test", "--config", str(run / "config.yaml"), "--ckpt_path", best,
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "eval")])
-    assert 0.0 <= cli.trainer.callback_metrics["test/acc"].item() <= 1.0
+    # the same weights on the same test batches (the run's config.yaml keeps its data and limits): the same numbers
+    for name in ("test/acc", "test/loss"):
+        assert cli.trainer.callback_metrics[name].item() == fitted.trainer.callback_metrics[name].item(), name

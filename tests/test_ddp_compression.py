@@ -138,3 +138,20 @@ def test_overlays_and_short_names_choose_the_compression(overlay, compression):
     layout = parallel_layout(trainer.strategy)  # the run is named ddp-2x1-cpu-<compression>
     assert (layout.strategy, layout.processes, layout.allreduce, layout.backend) == ("ddp", 2, "torch", "gloo")
     assert layout.compression == {"bf16": "bf16", "powersgd": "powersgd-r2"}[compression]
+
+
+def test_powersgd_on_the_cpu_survives_a_machine_with_cuda(monkeypatch):
+    """torch's powerSGD_hook calls torch.cuda.synchronize(device) whenever CUDA is available, also for CPU buckets,
+    which raises there: the shim makes that call a no-op for a CPU device and leaves every other call to torch."""
+    from src.strategies.ddp_compression import tolerate_cpu_in_cuda_synchronize
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    tolerate_cpu_in_cuda_synchronize()
+    tolerate_cpu_in_cuda_synchronize()  # once per process: a second call wraps nothing again
+    torch.cuda.synchronize(torch.device("cpu"))
+    torch.cuda.synchronize("cpu")
+    torch.cuda.synchronize("cuda:1")
+    torch.cuda.synchronize()
+    assert calls == ["cuda:1", None] and torch.cuda.synchronize.tolerates_cpu
+

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,7 +78,8 @@ def test_torchrun_two_nodes_of_our_strategy_train_as_one_world(tiny_data_dir, tm
 
 
 def test_tensorboard_server_serves_val_acc_per_epoch(two_node_run):
-    _, logs = two_node_run
+    (node0, _), logs = two_node_run
+    printed = [float(acc) for acc in re.findall(r"epoch \d+: val acc ([0-9.]+)", node0)]  # 3 decimals, by epoch
     run = logs / "lenet" / "ddp-2x1-cpu" / "version_0"
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1",
@@ -96,8 +98,9 @@ def test_tensorboard_server_serves_val_acc_per_epoch(two_node_run):
         assert tags and "val/acc" in tags.get(".", {}), f"TensorBoard did not serve val/acc: {tags}"
         assert {"train/loss_epoch", "time/epoch_s", "throughput/images_per_s", "test/acc"} <= set(tags["."])
         points = json.load(urllib.request.urlopen(f"{base}/scalars?run=.&tag=val/acc", timeout=5))
-        assert len(points) == 2  # [wall_time, step, value] once per epoch
-        assert all(0.0 <= value <= 1.0 for _, _, value in points)
+        assert len(points) == 2 == len(printed)  # [wall_time, step, value] once per epoch
+        served = [value for _, _, value in sorted(points, key=lambda point: point[1])]
+        assert served == pytest.approx(printed, abs=5e-4)  # the values the training printed, epoch by epoch
     finally:
         server.terminate()
         server.wait(timeout=30)

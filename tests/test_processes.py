@@ -11,6 +11,7 @@ from src.models.classifier import LeNetClassifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import ddp, fit, max_param_diff, stop_then_resume, strategy_replicas
+from tests.helpers.shards import ShardSizes, saved_shard_sizes
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -27,8 +28,10 @@ class RankSnapshot(pl.Callback):
         replicas = strategy_replicas(trainer, pl_module)
         states = [{k: v.detach().cpu().clone() for k, v in r.state_dict().items()} for r in replicas]
         torch.save(states, Path(self.folder) / f"rank{trainer.global_rank}.pt")
-        exchange = trainer.strategy.exchange
-        torch.save({"buckets": len(exchange.buckets), "beside_backward": exchange.exchanged_beside_backward},
+        strategy = trainer.strategy
+        exchange = strategy.exchange
+        torch.save({"buckets": len(exchange.buckets), "beside_backward": exchange.exchanged_beside_backward,
+                    "split_weights": strategy.split_weights, "fixed_at_step": strategy.split_fixed_at_step},
                    Path(self.folder) / f"exchange{trainer.global_rank}.pt")
 
 
@@ -46,23 +49,36 @@ def _rank_states(folder: Path, processes: int) -> list[list[dict]]:
     return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(processes)]
 
 
-@pytest.mark.parametrize("strategy_kwargs", [
-    {},                                                                   # P=2 x K=1, our ring between processes
-    {"process_allreduce": "torch"},                                       # P=2 x K=1, dist.all_reduce between
-    {"devices": ["cpu", "cpu"]},                                          # P=2 x K=2, hierarchical ring
-    {"replicas_per_process": 2, "allreduce": "reduce_broadcast"},         # P=2 x K=2, reduce to replica 0 first
-    {"split_weights": [3, 1]},                                            # uneven shards across ranks
-    {"devices": ["cpu", "cpu"], "split_weights": [1, 2, 3, 2], "process_allreduce": "torch"},
-    {"devices": ["cpu", "cpu"], "overlap": True, "bucket_cap_mb": 0.05},  # buckets exchanged during backward
-    {"overlap": True, "bucket_cap_mb": 0.05},                             # ... by the exchange thread, P=2 x K=1
-    {"overlap": True, "bucket_cap_mb": 0.05, "process_allreduce": "torch"},  # ... dist.all_reduce on that thread
-    {"split_weights": "auto", "auto_split_steps": 3},                    # shares measured, agreed by both ranks
+# The shards each replica of each rank ran on, every step: 500 training images are 20 global batches of 25,
+# cut into the ranks' parts by their summed weights, then into the replicas' shards (largest remainder).
+EVEN_2X1 = [[[13]], [[12]]]  # 25 = 13 + 12
+EVEN_2X2 = [[[7, 6]], [[6, 6]]]  # 25 = 13 + 12, 13 = 7 + 6, 12 = 6 + 6
+UNEVEN_3_1 = [[[19]], [[6]]]  # 25 by [3, 1]: 18.75 + 6.25 rounds to 19 + 6
+UNEVEN_1_2_3_2 = [[[3, 6]], [[10, 6]]]  # 25 by [1 + 2, 3 + 2] = 9 + 16, then 9 by [1, 2] and 16 by [3, 2]
+
+
+@pytest.mark.parametrize("strategy_kwargs, shards", [
+    ({}, EVEN_2X1),                                                       # P=2 x K=1, our ring between processes
+    ({"process_allreduce": "torch"}, EVEN_2X1),                           # P=2 x K=1, dist.all_reduce between
+    ({"devices": ["cpu", "cpu"]}, EVEN_2X2),                              # P=2 x K=2, hierarchical ring
+    ({"replicas_per_process": 2, "allreduce": "reduce_broadcast"}, EVEN_2X2),  # P=2 x K=2, reduce to replica 0
+    ({"split_weights": [3, 1]}, UNEVEN_3_1),                              # uneven shards across ranks
+    ({"devices": ["cpu", "cpu"], "split_weights": [1, 2, 3, 2], "process_allreduce": "torch"}, UNEVEN_1_2_3_2),
+    ({"devices": ["cpu", "cpu"], "overlap": True, "bucket_cap_mb": 0.05}, EVEN_2X2),  # exchanged during backward
+    ({"overlap": True, "bucket_cap_mb": 0.05}, EVEN_2X1),                 # ... by the exchange thread, P=2 x K=1
+    ({"overlap": True, "bucket_cap_mb": 0.05, "process_allreduce": "torch"}, EVEN_2X1),  # ... dist.all_reduce
+    ({"split_weights": "auto", "auto_split_steps": 3}, None),             # shares measured, agreed by both ranks
 ], ids=["2x1-ring", "2x1-torch", "2x2-ring", "2x2-reduce_broadcast", "2x1-uneven-3-1", "2x2-uneven-torch",
         "2x2-overlap", "2x1-overlap", "2x1-overlap-torch", "2x1-auto"])
-def test_processes_train_as_one_device(tiny_data_dir, tmp_path, single, strategy_kwargs):
+def test_processes_train_as_one_device(tiny_data_dir, tmp_path, single, strategy_kwargs, shards):
     model, _, _ = fit(tiny_data_dir, ours(check_sync_every=5, **strategy_kwargs), steps=STEPS, devices=2,
-                            callbacks=[RankSnapshot(str(tmp_path))])
+                      callbacks=[RankSnapshot(str(tmp_path)), ShardSizes(folder=str(tmp_path))])
     assert max_param_diff(model, single) <= 1e-9  # rank 0's replica 0, loaded back into this process
+    got = saved_shard_sizes(tmp_path, 2)
+    if shards is not None:
+        assert got == [rank * STEPS for rank in shards]  # what every replica's forward pass really got
+    else:
+        _assert_auto_shards(got, [torch.load(tmp_path / f"exchange{r}.pt") for r in range(2)])
     states = _rank_states(tmp_path, 2)
     k = len(strategy_kwargs.get("devices", [])) or strategy_kwargs.get("replicas_per_process", 1)
     assert [len(s) for s in states] == [k, k]
@@ -75,6 +91,15 @@ def test_processes_train_as_one_device(tiny_data_dir, tmp_path, single, strategy
         for rank in range(2):
             seen = torch.load(tmp_path / f"exchange{rank}.pt")
             assert seen["buckets"] > 1 and seen["beside_backward"] == seen["buckets"], seen
+
+
+def _assert_auto_shards(seen: list[list[list[int]]], exchanges: list[dict]) -> None:
+    """`split_weights: auto`: both ranks fixed the same measured shares after step 3; the ranks took equal parts of
+    the global batch of 25 until then, and parts by those shares from the next batch on."""
+    weights, fixed = exchanges[0]["split_weights"], exchanges[0]["fixed_at_step"]
+    assert exchanges[1]["split_weights"] == weights and exchanges[1]["fixed_at_step"] == fixed == 3
+    parts = [[sum(seen[r][step]) for r in range(2)] for step in range(STEPS)]
+    assert parts == [[13, 12]] * fixed + [shard_sizes(25, weights)] * (STEPS - fixed), (weights, parts)
 
 
 class BytesSnapshot(pl.Callback):
@@ -98,15 +123,33 @@ def test_bytes_sent_per_device_count_both_levels(tiny_data_dir, tmp_path):
         assert torch.load(tmp_path / f"bytes{rank}.pt") == expected
 
 
-def test_evaluation_over_uneven_ranks_equals_one_device(tiny_data_dir, single):
+def test_evaluation_over_uneven_ranks_equals_one_device(tiny_data_dir, tmp_path, single):
     dm_args = dict(batch_size=25, eval_batch_size=23, val_size=100, download=False)
     kwargs = dict(accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False,
                   enable_model_summary=False)
     expected = pl.Trainer(devices=1, **kwargs).validate(single, FashionMNISTDataModule(str(tiny_data_dir), **dm_args))
-    got = pl.Trainer(devices=2, strategy=ours(devices=["cpu", "cpu"], split_weights=[3, 1, 1, 2]), **kwargs).validate(
+    got = pl.Trainer(devices=2, strategy=ours(devices=["cpu", "cpu"], split_weights=[3, 1, 1, 2]),
+                     callbacks=[ShardSizes("validate", str(tmp_path))], **kwargs).validate(
         single, FashionMNISTDataModule(str(tiny_data_dir), **dm_args))
+    # 100 images in batches of 23, 23, 23, 23, 8; the ranks' parts by [3 + 1, 1 + 2]: 23 = 13 + 10 and 8 = 5 + 3;
+    # rank 0 cuts 13 = 10 + 3 and 5 = 4 + 1 by [3, 1], rank 1 cuts 10 = 3 + 7 and 3 = 1 + 2 by [1, 2]
+    shards = saved_shard_sizes(tmp_path, 2)
+    assert shards == [[[10, 3]] * 4 + [[4, 1]], [[3, 7]] * 4 + [[1, 2]]]
     assert got[0]["val/acc"] == expected[0]["val/acc"]
-    assert got[0]["val/loss"] == pytest.approx(expected[0]["val/loss"], rel=0.05)  # per-rank means, as DDP's
+    # Each rank sums loss x samples and samples over its batches, and the two sums are added over the ranks before
+    # the division (sync_dist of a mean weighted by batch_size): the loss of all 100 images, as on one device.
+    # The mean of the two ranks' means (57 and 43 images) would be another number.
+    dm = FashionMNISTDataModule(str(tiny_data_dir), **dm_args)
+    dm.setup("validate")
+    x, y = dm.on_before_batch_transfer(tuple(dm.splits["val"]), 0)
+    with torch.no_grad():  # per image, as the model's loss (label smoothing included) before its mean
+        losses = torch.nn.functional.cross_entropy(single(x), y, reduction="none",
+                                                   label_smoothing=single.loss_fn.label_smoothing)
+    ranks = torch.cat([torch.full((sum(part),), rank) for batch in zip(*shards) for rank, part in enumerate(batch)])
+    rank_means = [losses[ranks == r].mean().item() for r in range(2)]
+    assert abs(got[0]["val/loss"] - losses.mean().item()) <= 1e-12
+    assert abs(got[0]["val/loss"] - expected[0]["val/loss"]) <= 1e-12
+    assert abs(sum(rank_means) / 2 - losses.mean().item()) > 1e-3  # so the two lines above tell the two apart
 
 
 MAKERS = {"single": lambda: ("auto", 1), "ddp": lambda: (ddp(), 2),

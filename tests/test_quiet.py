@@ -73,7 +73,10 @@ def test_the_gpu_run_messages_are_hidden_and_only_they():
               "Precision bf16-mixed is not supported by the model summary.  Estimated model size in MB will not be "
               "accurate. Using 32 bits instead.",
               "The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
-              "gradient. This may incur unnecessary synchronization"]
+              "gradient. This may incur unnecessary synchronization",
+              "Grad strides do not match bucket view strides. This may indicate grad was not created according to "
+              "the gradient layout contract, or that the param's strides changed since DDP was constructed.  This "
+              "is not an error, but may impair performance."]
     shown = ["TPU available but not used. You can set it by doing `Trainer(accelerator='tpu')`.",
              "Precision 16-true is not supported by something else"]
     with warnings.catch_warnings(record=True) as caught:

@@ -7,10 +7,13 @@ must be followed exactly or refused with one clear message.
 """
 
 import copy
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder
 from torch import nn
 from torch.nn import functional as F
@@ -284,36 +287,61 @@ def test_changes_that_cannot_be_followed_are_refused_in_one_line(kind, message):
     assert "\n" not in str(refused.value)
 
 
-def test_processes_that_disagree_about_the_optimizer_are_refused(monkeypatch):
-    """A change made on some ranks only (here: rank 1 froze the head) is refused on every rank before the exchange.
-    Two processes are simulated: rank 1's vector is added to rank 0's by a stand-in for `dist.all_reduce`."""
+def _agreement_rank(rank: int, store: str, results=None) -> tuple:
+    """Rank `rank` of 2 processes on a real gloo group: counts a step's global batch with its optimizer's agreement
+    code, first as built, then after rank 1 alone froze the head. Returns (agreed code, counted global batch, code
+    after the change, that code again, the refusal's message or None), and puts it on `results` if given."""
     from src.strategies import process_sync
     from src.strategies.follow import Replica0Watch
 
-    model = UserModel().double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = Replica0Watch([model])
-    watch.follow_trainable()
-    rank0 = watch.agreement_code(optimizer)
-    model.head.requires_grad_(False)
-    watch.follow_trainable()
-    rank1 = watch.agreement_code(optimizer)
-    assert rank0 != rank1 and watch.agreement_code(optimizer) == rank1  # a code of the state, the same each time
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = UserModel().double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        watch = Replica0Watch([model])
+        watch.follow_trainable()
+        agreed = watch.agreement_code(optimizer)
+        # 12 + 13 samples: the count is the real sum over the two processes
+        total = process_sync.count_global_batch(12 + rank, torch.device("cpu"), 2, False, agreement=agreed)()
+        if rank == 1:
+            model.head.requires_grad_(False)  # a change made on one rank only, as under rank_zero_only
+            watch.follow_trainable()
+        code = watch.agreement_code(optimizer)
+        try:
+            process_sync.count_global_batch(12 + rank, torch.device("cpu"), 2, False, agreement=code)()
+            refused = None
+        except RuntimeError as err:
+            refused = str(err)
+        seen = (agreed, total, code, watch.agreement_code(optimizer), refused)
+    finally:
+        dist.destroy_process_group()
+    if results is not None:
+        results.put(seen)
+    return seen
 
-    class Done:
-        def wait(self) -> None:
-            return None
 
-    def fake_all_reduce(rank1_code: int):
-        def all_reduce(tensor, async_op=False):
-            tensor += torch.tensor([12.0, 0.0, float(rank1_code), float(rank1_code) ** 2], dtype=tensor.dtype)
-            return Done()
-        return all_reduce
-
-    monkeypatch.setattr(process_sync.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(process_sync.dist, "all_reduce", fake_all_reduce(rank0))
-    assert process_sync.count_global_batch(12, torch.device("cpu"), 2, False, agreement=rank0)() == 24
-    monkeypatch.setattr(process_sync.dist, "all_reduce", fake_all_reduce(rank1))
-    with pytest.raises(RuntimeError, match="the processes disagree on the optimizer") as refused:
-        process_sync.count_global_batch(12, torch.device("cpu"), 2, False, agreement=rank0)()
-    assert "\n" not in str(refused.value)
+@pytest.mark.slow  # starts a process of its own
+def test_processes_that_disagree_about_the_optimizer_are_refused(tmp_path):
+    """A change made on some ranks only (here: rank 1 froze the head) is refused on every rank before the exchange,
+    by the allreduce that counts the global batch, on 2 real processes: rank 0 is this one (already set up), rank 1
+    a spawned one."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    store = str(tmp_path / "store")
+    other = context.Process(target=_agreement_rank, args=(1, store, results))
+    other.start()
+    try:
+        agreed0, total0, code0, again0, refused0 = _agreement_rank(0, store)
+        other.join(timeout=120)
+        assert other.exitcode == 0, f"rank 1 ended with exit code {other.exitcode}"
+    finally:
+        if other.is_alive():
+            other.kill()
+    agreed1, total1, code1, again1, refused1 = results.get()  # one small tuple: it fit the pipe before rank 1 ended
+    assert agreed0 == agreed1 and total0 == total1 == 25  # as built: one code, the global batch counted
+    assert code0 == agreed0 and code1 != agreed1  # freezing the head changed rank 1's code
+    assert again0 == code0 and again1 == code1  # a code of the state, the same each time
+    for refused in (refused0, refused1):  # refused on both ranks alike, in one line
+        assert refused is not None and "the processes disagree on the optimizer" in refused
+        assert "\n" not in refused

@@ -43,6 +43,13 @@ SUMMARY_PRECISION = r"Precision .*-mixed is not supported by the model summary"
 # and is Lightning's choice, which a config cannot change.
 DDP_STREAM_MISMATCH = r"The AccumulateGrad node's stream does not match"
 
+# torch's DDP warns once per run on a GPU that a gradient's strides differ from those of its bucket view
+# (torch/csrc/distributed/c10d/reducer.cpp). Measured on an H200: the first convolution of LeNet and of ResNet-18
+# has one input channel, so its channels_last weight (strides (9, 1, 3, 1) for a 3x3 kernel) and the contiguous
+# gradient cuDNN returns (strides (9, 9, 3, 1)) hold the same numbers in the same memory order; only the stride of
+# the size-1 dimension differs. In torch's words it "is not an error", and the values allreduced are the same.
+DDP_GRAD_STRIDES = r"Grad strides do not match bucket view strides"
+
 # Lightning's tip to enable TF32 (lightning/fabric/accelerators/cuda.py, `_check_cuda_matmul_precision`). The CLI
 # decides float32 matmul precision itself (src/run/matmul_precision.py): TF32 when every device of the run is a
 # GPU, IEEE float32 when a CPU replica shares the run, so the tip would only repeat a choice already made.
@@ -69,7 +76,7 @@ def apply() -> None:
     warnings.filterwarnings("ignore", message=PYTREE_DEPRECATION, category=FutureWarning, module=PYTREE_MODULE)
     warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATION, category=FutureWarning,
                             module=ALL_GATHER_MODULE)
-    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH):
+    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH, DDP_GRAD_STRIDES):
         # matched by message alone: Lightning's rank_zero_warn and torch's C++ warnings are attributed to the
         # caller's frame, which differs between call sites
         warnings.filterwarnings("ignore", message=message)

@@ -179,6 +179,8 @@ class CompressedDDPStrategy(DDPStrategy):
     def _make_hook(self) -> tuple[object, Callable]:
         """A fresh hook state (a new `PowerSGDState` each fit) and the counting hook around torch's."""
         if self.compression == "powersgd":
+            if self.root_device.type == "cpu" and torch.cuda.is_available():
+                tolerate_cpu_in_cuda_synchronize()
             self.powersgd_state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=self.powersgd_warmup_steps, min_compression_rate=self.min_compression_rate,
@@ -223,6 +225,28 @@ class CompressedDDPStrategy(DDPStrategy):
         self.bytes_uncompressed_total += uncompressed
         self._pending = [0, 0, 0]
         return out
+
+
+def tolerate_cpu_in_cuda_synchronize() -> None:
+    """Make `torch.cuda.synchronize(<a CPU device>)` return at once instead of raising; every other call is torch's.
+
+    torch's `powerSGD_hook` ends each bucket with `torch.cuda.synchronize(device)` whenever CUDA is available, also
+    for a bucket on the CPU (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py, `decompress`), where
+    torch raises "Expected a cuda device, but got: cpu": DDP with PowerSGD over gloo would fail on every machine
+    that has a GPU. A CPU device has nothing to wait for. Installed once per process, by a CPU run of
+    `CompressedDDPStrategy` with PowerSGD on a machine with CUDA.
+    """
+    original = torch.cuda.synchronize
+    if getattr(original, "tolerates_cpu", False):
+        return
+
+    def synchronize(device: Any = None) -> None:
+        if device is not None and torch.device(device).type == "cpu":
+            return None
+        return original(device)
+
+    synchronize.tolerates_cpu = True  # type: ignore[attr-defined]
+    torch.cuda.synchronize = synchronize
 
 
 # `trainer.strategy: ddp_bf16` / `ddp_powersgd` (DDP's defaults otherwise) work once this module is imported

@@ -28,6 +28,19 @@ class ReplicaSnapshot(pl.Callback):
         self.states = [{k: v.detach().cpu().clone() for k, v in r.state_dict().items()} for r in replicas]
 
 
+def seeded_model(model_cls=LeNetClassifier, model_kwargs: dict | None = None,
+                 precision: str = "64-true") -> pl.LightningModule:
+    """The model `fit` starts from, before any step: seed 0, lr 0.05, momentum 0.9 unless `model_kwargs` say
+    otherwise, float64 under "64-true". Also the control that tells a trained model from one that took no step."""
+    pl.seed_everything(0, verbose=False)
+    model = model_cls(**{"lr": 0.05, "momentum": 0.9, **(model_kwargs or {})})
+    if precision == "64-true":
+        # ddp_spawn trains copies in worker processes and loads their final weights back into this model:
+        # it must already be float64 or those weights are rounded to float32 on the way back
+        model = model.double()
+    return model
+
+
 def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: int = 20, batch_size: int = 25,
         precision: str = "64-true", model_kwargs: dict | None = None, data_kwargs: dict | None = None,
         callbacks: list | None = None, ckpt_path: str | None = None, cleanup: bool = True,
@@ -39,12 +52,7 @@ def fit(data_dir: Path, strategy="auto", *, model_cls=LeNetClassifier, steps: in
     learning rates (about 5e-7 after one step, 2e-4 after 20 at lr 0.05), which would hide the algorithm's
     exactness behind the arithmetic's.
     """
-    pl.seed_everything(0, verbose=False)
-    model = model_cls(**{"lr": 0.05, "momentum": 0.9, **(model_kwargs or {})})
-    if precision == "64-true":
-        # ddp_spawn trains copies in worker processes and loads their final weights back into this model:
-        # it must already be float64 or those weights are rounded to float32 on the way back
-        model = model.double()
+    model = seeded_model(model_cls, model_kwargs, precision)
     dm = FashionMNISTDataModule(str(data_dir), batch_size=batch_size, val_size=100, download=False,
                                 **(data_kwargs or {}))
     snapshot = ReplicaSnapshot()

@@ -1,0 +1,83 @@
+"""Progress output that suits where stdout goes: Lightning's bar on a terminal, whole lines in a file.
+
+Lightning's TQDM bar redraws itself on stdout with `\\r` many times a second: one moving line on a terminal, but
+megabytes of partial lines in a file (`bash scripts/main_job.sh > log`). When stdout is not a terminal and the
+run does not set `trainer.enable_progress_bar`, `lines_when_not_a_terminal` swaps the bar that Lightning added
+by default for `LineOutput`, which draws nothing and writes what is printed through the bar (the epoch line of
+`EpochReport`) as one line on stdout, where the bar would have put it.
+
+Why an explicit setting wins: `--trainer.enable_progress_bar true` keeps the bar even in a file (the user asked
+for it, e.g. to follow the log with `tail -f`), and `false` keeps Lightning's no-bar behaviour (the epoch line
+then goes through logging, to stderr). Only the unset default (None, which Lightning reads as "bar") is decided
+here, and only in the built Trainer: the run's saved config.yaml keeps `enable_progress_bar: null`, so a later
+`test --config <run>/config.yaml` decides again for its own stdout. A bar configured in `trainer.callbacks` is
+left alone.
+
+Every process that runs the CLI decides from its own stdout. DDP's and our strategy's children re-run
+`python -m src.cli` with the parent's stdout, so they decide alike (and only rank 0 prints through the bar).
+"""
+
+import importlib
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks.progress import ProgressBar
+
+
+class LineOutput(ProgressBar):
+    """A progress "bar" that draws nothing: `print` writes a whole line to stdout (flushed, so a log file shows
+    each epoch as it ends); disabled on every rank but 0, as Lightning's bars are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def print(self, *args: Any, sep: str = " ", **kwargs: Any) -> None:
+        if self._enabled:
+            print(*args, sep=sep, file=sys.stdout, flush=True)
+
+
+def stdout_is_terminal() -> bool:
+    """Whether this process's stdout is a terminal (False when it is a file, a pipe, closed or missing)."""
+    try:
+        return bool(sys.stdout is not None and sys.stdout.isatty())
+    except (AttributeError, ValueError):  # a replaced stream without isatty, or a closed one
+        return False
+
+
+def lines_when_not_a_terminal(trainer: pl.Trainer, trainer_config: Any) -> None:
+    """Replace the bar Lightning added by default with `LineOutput` when stdout is not a terminal.
+
+    Args:
+        trainer: The built Trainer.
+        trainer_config: The `trainer` section of the CLI's config as parsed, before it was built
+            (`enable_progress_bar` as given, None when unset; `callbacks` as class paths), to tell an explicit
+            choice from Lightning's default.
+    """
+    bar = trainer.progress_bar_callback
+    if bar is None or trainer_config.get("enable_progress_bar") is not None or stdout_is_terminal():
+        return
+    if any(_is_progress_bar(getattr(c, "class_path", None)) for c in trainer_config.get("callbacks") or []):
+        return  # the config names its bar itself
+    trainer.callbacks = [LineOutput() if c is bar else c for c in trainer.callbacks]
+
+
+def _is_progress_bar(class_path: str | None) -> bool:
+    """Whether `class_path` names a progress bar class (False for anything that cannot be imported)."""
+    module, _, name = (class_path or "").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, ProgressBar)
