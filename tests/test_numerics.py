@@ -1,7 +1,9 @@
 """Non-finite losses stop (naming step and batch) or are skipped; runs repeat bitwise on the CPU."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
@@ -20,6 +22,38 @@ def test_nonfinite_loss_stops_naming_step_and_batch(tiny_data_dir):
     expected = r"non-finite training loss \(nan\) at global step 3 \(epoch 0, batch 3\)"
     with pytest.raises(FloatingPointError, match=expected):
         fit(tiny_data_dir, model_cls=PoisonedLeNet, steps=6)
+
+
+class BatchesRun(pl.Callback):
+    """How many training batches ran to their end (callbacks' hooks run before the module's, which raises)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.count += 1
+
+
+def test_nonfinite_loss_is_read_at_logging_steps_and_named_under_ours(tiny_data_dir):
+    """The watch is read at the logging steps, not at every step: poisoned at step 3, the run stops at the end of
+    step 5 (log_every_n_steps 5), naming step 3; under ours the loss watched is the whole global batch's."""
+    expected = r"non-finite training loss \(nan\) at global step 3 \(epoch 0, batch 3\)"
+    for strategy in ("auto", SplitAllreduceStrategy(devices=["cpu", "cpu"])):
+        batches = BatchesRun()
+        with pytest.raises(FloatingPointError, match=expected):
+            fit(tiny_data_dir, strategy, model_cls=PoisonedLeNet, steps=12, log_every_n_steps=5, callbacks=[batches])
+        assert batches.count == 5
+
+
+def test_a_nonfinite_run_saves_no_checkpoint_after_the_bad_step(tiny_data_dir, tmp_path):
+    """A save is preceded by a read of the watch: poisoned at step 3, checkpoints every 2 steps, the save at step 4
+    stops the run and last.ckpt keeps step 2's finite weights."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2, save_top_k=0)
+    with pytest.raises(FloatingPointError, match="at global step 3 "):
+        fit(tiny_data_dir, model_cls=PoisonedLeNet, steps=12, enable_checkpointing=True, callbacks=[every_2])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values() if t.is_floating_point())
 
 
 @pytest.mark.parametrize("strategy", ["single", "split_allreduce"])

@@ -12,6 +12,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from src.run.lightning_compat import add_logged_hparam, attached_trainer
 from src.models import LeNet, ResNet18, init_weights
 from src.models.metrics import MeanLoss, Misclassified
+from src.models.nonfinite import NonfiniteWatch
 
 
 class ImageClassifier(pl.LightningModule):
@@ -58,9 +59,13 @@ class ImageClassifier(pl.LightningModule):
         compile_mode: `torch.compile` mode: "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune".
         compile_backend: `torch.compile` backend: "inductor" (generates fused kernels), or "aot_eager" (traces
             forward and backward without generating code: for checking that a model compiles, quickly).
-        nonfinite_loss: What a NaN or infinite training loss does: "stop" (raise, naming the step and batch),
-            "skip" (skip that optimizer step and count it in `train/skipped_steps`; single device and
-            split_allreduce only, as DDP's ranks would have to agree) or "ignore" (no check, no per-step sync).
+        nonfinite_loss: What a NaN or infinite training loss does: "stop" (raise, naming the first bad step and
+            batch; the loss is watched on its device with no host sync per step, and the watch is read at the
+            Trainer's logging steps, at each epoch's last batch, before every checkpoint save and at the end of
+            fit, so a run stops at most `log_every_n_steps` - 1 steps after the bad one and never saves the
+            weights it made), "skip" (skip that optimizer step and count it in `train/skipped_steps`, which
+            decides before the step and so syncs the host with the device every step; single device and
+            split_allreduce only, as DDP's ranks would have to agree) or "ignore" (no check).
     """
 
     def __init__(self, num_classes: int = 10, optimizer: Literal["sgd", "adam", "adamw"] = "sgd",
@@ -95,13 +100,17 @@ class ImageClassifier(pl.LightningModule):
         if channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        # validate_args=False: torchmetrics' checks of every update run torch.unique on the targets, a host sync per
+        # batch on a GPU; the targets here come from this project's own loaders, int64 class indices
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.train_loss = MeanLoss()
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         # per-class results, read and reset by src.callbacks.class_report.ClassReport at the end of each evaluation
-        self.val_confmat = MulticlassConfusionMatrix(num_classes)
-        self.test_confmat = MulticlassConfusionMatrix(num_classes)
+        self.val_confmat = MulticlassConfusionMatrix(num_classes, validate_args=False)
+        self.test_confmat = MulticlassConfusionMatrix(num_classes, validate_args=False)
+        self._nonfinite = NonfiniteWatch()  # nonfinite_loss: stop
+        self._batch_idx = 0  # the training batch in progress, for the watch's message
         self.test_misclassified = Misclassified(limit=32)
 
     def build_net(self, num_classes: int) -> nn.Module:
@@ -140,19 +149,13 @@ class ImageClassifier(pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         """Cross-entropy of (x (B, 1, 28, 28) float32, y (B,) int64); None for a skipped non-finite step.
 
-        Raises:
-            FloatingPointError: A NaN or infinite loss with `nonfinite_loss: stop`, naming step and batch.
+        With `nonfinite_loss: stop` the loss is watched in `on_before_backward`, without a host sync.
         """
         x, y = batch
         logits = self(x)
         loss = self.loss_fn(logits, y)
-        if self.hparams.nonfinite_loss != "ignore" and not torch.isfinite(loss):
+        if self.hparams.nonfinite_loss == "skip" and not torch.isfinite(loss):  # a host sync: decided before the step
             where = f"at global step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-            if self.hparams.nonfinite_loss == "stop":
-                raise FloatingPointError(
-                    f"non-finite training loss ({loss.item()}) {where}: lower model.lr, add warmup or gradient "
-                    "clipping, or set model.nonfinite_loss: skip to skip such steps; resume from the last good "
-                    "checkpoint with --ckpt_path last")
             self.skipped_steps += 1
             self.log("train/skipped_steps", float(self.skipped_steps), on_step=False, on_epoch=True, reduce_fx="max")
             rank_zero_warn(f"skipped a non-finite training loss {where}; {self.skipped_steps} skipped so far")
@@ -168,6 +171,54 @@ class ImageClassifier(pl.LightningModule):
         if (every and (trainer.global_step + 1) % every == 0) or batch_idx + 1 == trainer.num_training_batches:
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=len(y))
         return loss
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        # the loss Lightning backpropagates (under ours the whole global batch's), before the optimizer step and
+        # before any callback may save a checkpoint of this step
+        if self.hparams.nonfinite_loss == "stop":
+            self._nonfinite.watch(loss, self.trainer.global_step, self.current_epoch, self._batch_idx)
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        """Read the watch of `nonfinite_loss: stop` at the Trainer's logging steps and at the epoch's last batch.
+
+        Raises:
+            FloatingPointError: A NaN or infinite loss was watched, naming its step, epoch and batch.
+        """
+        if self.hparams.nonfinite_loss != "stop":
+            return
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        # the steps that sync anyway: Lightning turns the progress bar's values into numbers there
+        if (every and trainer.global_step % every == 0) or batch_idx + 1 == trainer.num_training_batches:
+            self.stop_if_nonfinite()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # before the file is written: a checkpoint never holds the weights a non-finite loss made
+        if self.hparams.nonfinite_loss == "stop":
+            self.stop_if_nonfinite()
+
+    def on_train_end(self) -> None:
+        if self.hparams.nonfinite_loss == "stop":
+            self.stop_if_nonfinite()
+
+    def stop_if_nonfinite(self) -> None:
+        """Read the watch of `nonfinite_loss: stop` (one host sync).
+
+        Raises:
+            FloatingPointError: If a NaN or infinite training loss was watched, naming the first one's global step,
+                epoch and batch.
+        """
+        bad = self._nonfinite.first()
+        if bad is None:
+            return
+        loss, step, epoch, batch = bad
+        raise FloatingPointError(
+            f"non-finite training loss ({loss}) at global step {step} (epoch {epoch}, batch {batch}): lower "
+            "model.lr, add warmup or gradient clipping, or set model.nonfinite_loss: skip to skip such steps; resume "
+            "from the last good checkpoint with --ckpt_path last")
 
     def on_train_epoch_end(self) -> None:
         # compute() merges the processes' states under DDP; the split strategy merges its replicas' each step
