@@ -14,7 +14,8 @@ from torch import Tensor
 class NonfiniteWatch:
     """Remembers the first NaN or infinite loss among those watched since the last clean read.
 
-    Args: none. The device state is made at the first `watch`, on that loss's device.
+    The device state is made at the first `watch`, on that loss's device, and made anew if a loss arrives on
+    another device (a fit resumed elsewhere).
     """
 
     def __init__(self) -> None:

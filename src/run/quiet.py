@@ -26,9 +26,10 @@ ALL_GATHER_DEPRECATION = r"torch\.distributed\.nn\.functional\.all_gather is dep
 ALL_GATHER_MODULE = r"lightning\.fabric\.utilities\.distributed"
 
 # Lightning warns on every run that leaves a GPU unused (lightning/pytorch/trainer/setup.py, `_log_device_info`).
-# Every shipped config names its accelerator on purpose (configs/lenet.yaml stays on the CPU so the main job's
-# figure is the CPU's, bitwise), and Lightning's own info line just before it ("GPU available: True (cuda), used:
-# False") and the epoch line ("... on cpu") already say where the run is. `--trainer.accelerator gpu` moves it.
+# A shipped config that runs on the CPU names that accelerator on purpose (configs/lenet.yaml stays on the CPU
+# so the main job's figure is the CPU's, bitwise), and Lightning's own info line just before it ("GPU available:
+# True (cuda), used: False") and the epoch line ("... on cpu") already say where the run is.
+# `--trainer.accelerator gpu` moves it.
 GPU_UNUSED = r"GPU available but not used"
 
 # Lightning's model summary knows no size per parameter for mixed precision ("bf16-mixed", "16-mixed") and warns
@@ -39,8 +40,8 @@ SUMMARY_PRECISION = r"Precision .*-mixed is not supported by the model summary"
 # torch warns at the first backward under Lightning's DDP on a GPU that an AccumulateGrad node's stream is not the
 # stream of its incoming gradient (torch/csrc/autograd/input_buffer.cpp). Lightning wraps the model in
 # DistributedDataParallel on a side stream (`DDPStrategy._setup_model`, after torch's CUDA stream semantics notes),
-# and DDP keeps references to the AccumulateGrad nodes made there; the mismatch costs a stream wait per gradient
-# and is Lightning's choice, which a config cannot change.
+# and DDP keeps references to the AccumulateGrad nodes made there. In torch's words the mismatch "may incur
+# unnecessary synchronization"; it is Lightning's choice, which a config cannot change.
 DDP_STREAM_MISMATCH = r"The AccumulateGrad node's stream does not match"
 
 # torch's DDP warns once per run on a GPU that a gradient's strides differ from those of its bucket view
