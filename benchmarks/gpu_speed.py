@@ -18,7 +18,9 @@ syncs it makes are counted and named. Prints the table; ratios compare runs of t
 """
 
 import argparse
+import cProfile
 import importlib
+import pstats
 import statistics
 import tempfile
 import time
@@ -37,6 +39,7 @@ from src.models import LeNet, ResNet18, init_weights
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP, TIMED = 30, 100          # app and bare: steps before the window, steps in it
 SYNC_PROBE_STEP = 25             # a non-logging step (log_every_n_steps is 50) watched for syncs
+TRACE = (10, 20)                 # with --profile: steps recorded by torch.profiler (before the window)
 
 
 def _drain() -> None:
@@ -50,16 +53,27 @@ class Window(pl.Callback):
 
     seconds: float = float("nan")
     syncs: list[str] = []
+    profile_to: Path | None = None   # set: cProfile the window (host time by function) and torch.profiler TRACE
 
     def __init__(self) -> None:
         self._t0 = 0.0
         self._catch = None
         self._caught: list = []
+        self._host = None
+        self._trace = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        out = type(self).profile_to
+        if out is not None and step == TRACE[0] and torch.cuda.is_available():
+            self._trace = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self._trace.__enter__()
         if step == WARMUP:
             _drain()
+            if out is not None:
+                self._host = cProfile.Profile()
+                self._host.enable()
             self._t0 = time.perf_counter()
         if step == SYNC_PROBE_STEP and torch.cuda.is_available():
             _drain()
@@ -76,9 +90,26 @@ class Window(pl.Callback):
             self._catch = None
             type(self).syncs = [str(w.message).split("\n")[0][:90] for w in self._caught
                             if "synchroniz" in str(w.message)]
+        out = type(self).profile_to
+        if self._trace is not None and step == TRACE[1]:
+            _drain()
+            self._trace.__exit__(None, None, None)
+            table = self._trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            cuda = self._trace.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+            (out / "torch_profile.txt").write_text(table + "\n\n" + cuda)
+            self._trace.export_chrome_trace(str(out / "trace.json"))
+            self._trace = None
         if step == WARMUP + TIMED:
             _drain()
             type(self).seconds = time.perf_counter() - self._t0
+            if self._host is not None:
+                self._host.disable()
+                with open(out / "host_profile.txt", "w") as f:
+                    stats = pstats.Stats(self._host, stream=f)
+                    stats.sort_stats("cumulative").print_stats(80)
+                    stats.sort_stats("tottime").print_stats(40)
+                stats.dump_stats(str(out / "host.pstats"))
+                self._host = None
             trainer.should_stop = True
 
 
@@ -129,13 +160,23 @@ def bare_step(net: nn.Module, recipe: dict, batch: int, precision: str) -> float
 
 CASES = {
     "ResNet-18, bf16-mixed, batch 256": ("configs/resnet18_gpu.yaml", [], ResNet18, 256, "bf16-mixed"),
+    "ResNet-18, ours on [cuda:0, cuda:0]": (
+        "configs/resnet18_gpu.yaml", ["--config", "configs/strategy/split_allreduce_gpu.yaml",
+                                      "--trainer.strategy.init_args.devices", "[cuda:0, cuda:0]"],
+        ResNet18, 256, "bf16-mixed"),
     "LeNet, float32, batch 64": ("configs/lenet.yaml", ["--trainer.accelerator", "gpu"], LeNet, 64, "32-true"),
+    # the A/B baseline of the non-finite-loss check: no check at all
+    "LeNet, nonfinite_loss ignore": ("configs/lenet.yaml", ["--trainer.accelerator", "gpu",
+                                                            "--model.nonfinite_loss", "ignore"], LeNet, 64, "32-true"),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of app and bare per network")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="folder: after the timed rounds, one more app run per network writes its host profile "
+                             "(cProfile of the window) and a torch.profiler table of steps 10-20 there")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_speed needs a CUDA GPU")
@@ -159,6 +200,17 @@ def main() -> None:
                      f"{b:.2f} ({', '.join(f'{x:.2f}' for x in bare)}) | {a / b:.2f} | {len(syncs)} |")
         for s in sorted(set(syncs)):
             print(f"  {name}: sync x{syncs.count(s)}: {s}")
+        if args.profile is not None:
+            out = args.profile / "".join(c if c.isalnum() else "_" for c in name.lower())
+            out.mkdir(parents=True, exist_ok=True)
+            window = importlib.import_module("benchmarks.gpu_speed").Window
+            window.profile_to = out
+            try:
+                with tempfile.TemporaryDirectory() as logs:
+                    ms, _ = app_step(config, extra, root, logs)
+            finally:
+                window.profile_to = None
+            print(f"  {name}: profiled app run {ms:.2f} ms/step (profiler overhead included) -> {out}")
     print("\n".join(lines))
 
 
