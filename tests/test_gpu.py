@@ -28,6 +28,7 @@ from src.strategies import CompressedDDPStrategy, SplitAllreduceStrategy
 from src.timeline.breakdown import CATEGORIES, load_spans, process_breakdown
 from tests.helpers import cli_args
 from tests.helpers.runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
+from tests.helpers.sync_probe import NoSyncInSteps
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,6 +226,24 @@ def test_compiled_bf16_run(tiny_data_dir):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     pl.seed_everything(0, verbose=False)
     assert max_param_diff(model, LeNetClassifier(lr=0.05, momentum=0.9)) > 1e-4
+
+
+@pytest.mark.parametrize("config", ["lenet.yaml", "resnet18_gpu.yaml"])
+@pytest.mark.parametrize("strategy", ["single", "ours"])
+def test_no_host_sync_inside_a_training_step(tiny_data_dir, tmp_path, config, strategy):
+    """The shipped config on the GPU (data on the GPU, the non-finite watch on), one device or ours with two replicas
+    on cuda:0: no training step that neither logs nor saves waits for the GPU."""
+    ours = ["--config", "configs/strategy/split_allreduce_gpu.yaml", "--trainer.strategy.init_args.devices",
+            "[cuda:0, cuda:0]"] if strategy == "ours" else []
+    cli = main(["fit", "--config", f"configs/{config}", *ours, "--trainer.accelerator", "gpu",
+                *cli_args.data_args(tiny_data_dir, batch_size=16), *cli_args.trainer_args(tmp_path, max_epochs=2),
+                "--trainer.log_every_n_steps", "10", "--test_after_fit", "false",
+                "--trainer.callbacks+=tests.helpers.sync_probe.NoSyncInSteps"])
+    assert cli.model.hparams.nonfinite_loss == "stop"
+    assert all(x.device.type == "cuda" for x, _ in cli.datamodule.splits.values())
+    [probe] = [c for c in cli.trainer.callbacks if isinstance(c, NoSyncInSteps)]
+    assert cli.trainer.global_step == 64  # 500 images in batches of 16: 32 steps per epoch
+    assert len(probe.checked) >= 50, probe.checked  # all but the first and those that log (every 10, epoch ends)
 
 
 @pytest.mark.gpu(2)
