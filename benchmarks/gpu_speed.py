@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None,
                         help="folder: after the timed rounds, one more app run per network writes its host profile "
                              "(cProfile of the window) and a torch.profiler table of steps 10-20 there")
+    parser.add_argument("--only", default="", help="run only the rows whose name contains this text")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_speed needs a CUDA GPU")
@@ -186,6 +187,8 @@ def main() -> None:
     lines = ["| network | app ms/step | bare loop ms/step | app / bare | syncs in one non-logging app step |",
              "|---|---|---|---|---|"]
     for name, (config, extra, make, batch, precision) in CASES.items():
+        if args.only not in name:
+            continue
         recipe = yaml.safe_load((ROOT / config).read_text())["model"]["init_args"]
         app, bare, syncs = [], [], []
         for _ in range(args.rounds):

@@ -4,9 +4,10 @@ import time
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from src.run.lightning_compat import save_last_checkpoint
+from src.run.lightning_compat import save_last_checkpoint, should_update_logs
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -16,9 +17,10 @@ class LastCheckpoint(ModelCheckpoint):
     Lightning's `save_last` rewrites last.ckpt only when its callback saves a top-k checkpoint, so after an
     epoch that did not improve the monitored metric, last.ckpt would still hold an older state. Lightning's
     `train_time_interval` cannot be combined with `every_n_train_steps`; the time trigger here adds to the step
-    trigger. Any checkpoint saved (by this callback or another) restarts the clock. With several processes they
-    agree on whether the time is up through one one-number sum after each step (only when `every_n_minutes` is
-    set), as every process must take part in a save.
+    trigger. Any checkpoint saved (by this callback or another) restarts the clock. One process checks its clock
+    after every step, without waiting for the GPU. Several processes must save together, so they agree on whether
+    the time is up through a one-number sum, made on the logging steps only (every `log_every_n_steps`), so the
+    time trigger may fire that many steps late.
 
     Args:
         every_n_train_steps: Optimizer steps between mid-epoch saves (0: no step trigger).
@@ -52,9 +54,16 @@ class LastCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.every_n_minutes is None:
             return
-        due = float(time.monotonic() - self._saved_at >= 60.0 * self.every_n_minutes)
-        due = trainer.strategy.reduce(torch.tensor(due, device=trainer.strategy.root_device), reduce_op="sum")
-        if float(due) > 0:  # some process's clock says so: all save together
+        due = time.monotonic() - self._saved_at >= 60.0 * self.every_n_minutes
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # every process must take part in a save, and each has its own clock: they agree through a one-number
+            # sum, read on the host. Only on logging steps, which wait for the GPU anyway: reading it after every
+            # step would make each step wait for the GPU (and for the other processes).
+            if not should_update_logs(trainer):
+                return
+            flag = torch.tensor(float(due), device=trainer.strategy.root_device)
+            due = float(trainer.strategy.reduce(flag, reduce_op="sum")) > 0  # some process's clock says so
+        if due:
             save_last_checkpoint(self, trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
