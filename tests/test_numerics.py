@@ -6,6 +6,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from src.models.classifier import LeNetClassifier
+from src.models.nonfinite import NonfiniteWatch
 from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import assert_replicas_bitwise_equal, ddp, fit
 
@@ -22,6 +23,19 @@ def test_nonfinite_loss_stops_naming_step_and_batch(tiny_data_dir):
     expected = r"non-finite training loss \(nan\) at global step 3 \(epoch 0, batch 3\)"
     with pytest.raises(FloatingPointError, match=expected):
         fit(tiny_data_dir, model_cls=PoisonedLeNet, steps=6)
+
+
+def test_the_watch_finds_the_first_bad_loss_past_its_first_buffer_and_forgets_after_a_clean_read():
+    watch = NonfiniteWatch()
+    assert watch.first() is None  # nothing watched yet
+    for step in range(150):  # more than the buffer's first 64 places: it grows twice
+        watch.watch(torch.tensor(0.5 + step, dtype=torch.float32), step, 0, step)
+    assert watch.first() is None  # all finite: a clean read, which forgets them
+    losses = [1.0] * 90 + [float("inf"), float("nan")] + [2.0] * 60  # bf16-mixed and float64 losses alike
+    for k, value in enumerate(losses):
+        watch.watch(torch.tensor(value, dtype=torch.float64 if k % 2 else torch.bfloat16), 150 + k, 1, k)
+    assert watch.first() == (float("inf"), 240, 1, 90)
+    assert watch.first() == (float("inf"), 240, 1, 90)  # a bad read keeps what it found
 
 
 class BatchesRun(pl.Callback):

@@ -23,7 +23,8 @@ class MeanLoss(Metric):
 
     def update(self, loss: Tensor, n: int) -> None:
         """Add a batch: `loss` a () float tensor, the mean over its `n` samples (n >= 0)."""
-        self.total += loss.detach().to(torch.float64) * n
+        # one kernel: float64 total + n x the loss, cast inside the add (the product is exact, as n < 2**29)
+        self.total.add_(loss.detach(), alpha=n)
         self.count += n
 
     def compute(self) -> Tensor:
