@@ -14,7 +14,7 @@ from src.run.elastic import apply_launcher_layout, check_ddp_batch_after_restart
 from src.run.launcher import run_id
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers.cli_args import fast_args
-from tests.helpers.runs import fit
+from tests.helpers.runs import ddp, fit
 
 
 def _auto(data_dir, logs, *extra):
@@ -109,6 +109,30 @@ def test_time_trigger_saves_between_step_triggers(tiny_data_dir, tmp_path):
     assert by_steps.steps == [4, 6]  # step 4, then the end of the epoch max_steps cut short
     with pytest.raises(ValueError, match="every_n_minutes must be a positive number"):
         LastCheckpoint(every_n_minutes=0)
+
+
+class SavedStepsToFile(LastCheckpoint):
+    """LastCheckpoint that appends the global step of every save to a file (rank 0; DDP's spawned processes)."""
+
+    def __init__(self, record: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.record = record
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if trainer.is_global_zero:
+            with open(self.record, "a") as f:
+                f.write(f"{trainer.global_step}\n")
+
+
+def test_time_trigger_across_processes_is_agreed_every_log_every_n_steps(tiny_data_dir, tmp_path):
+    """Two gloo processes, the clock due after every step: they agree (one sum) every 3 steps only, so the saves
+    are at steps 3 and 6, then at the end of the epoch max_steps cut short."""
+    record = tmp_path / "saved.txt"
+    by_time = SavedStepsToFile(str(record), every_n_train_steps=0, every_n_minutes=1e-6, dirpath=str(tmp_path / "t"))
+    fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=32, callbacks=[by_time], enable_checkpointing=True,
+        log_every_n_steps=3)
+    assert record.read_text().split() == ["3", "6", "7"]
 
 
 def test_checkpoint_without_restart_state_and_with_an_old_callback_key_still_resumes(tiny_data_dir, tmp_path):

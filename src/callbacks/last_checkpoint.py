@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from src.run.lightning_compat import save_last_checkpoint, should_update_logs
+from src.run.lightning_compat import save_last_checkpoint
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -19,8 +19,8 @@ class LastCheckpoint(ModelCheckpoint):
     `train_time_interval` cannot be combined with `every_n_train_steps`; the time trigger here adds to the step
     trigger. Any checkpoint saved (by this callback or another) restarts the clock. One process checks its clock
     after every step, without waiting for the GPU. Several processes must save together, so they agree on whether
-    the time is up through a one-number sum, made on the logging steps only (every `log_every_n_steps`), so the
-    time trigger may fire that many steps late.
+    the time is up through a one-number sum, made every `log_every_n_steps` steps only (50 where that is 0), so
+    the time trigger may fire that many steps late.
 
     Args:
         every_n_train_steps: Optimizer steps between mid-epoch saves (0: no step trigger).
@@ -57,9 +57,10 @@ class LastCheckpoint(ModelCheckpoint):
         due = time.monotonic() - self._saved_at >= 60.0 * self.every_n_minutes
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # every process must take part in a save, and each has its own clock: they agree through a one-number
-            # sum, read on the host. Only on logging steps, which wait for the GPU anyway: reading it after every
-            # step would make each step wait for the GPU (and for the other processes).
-            if not should_update_logs(trainer):
+            # sum, read on the host. Only every log_every_n_steps steps (50 if that is 0), where the loop reads the
+            # progress bar's values anyway: reading it after every step would make each step wait for the GPU and
+            # for the other processes.
+            if trainer.global_step % (trainer.log_every_n_steps or 50):
                 return
             flag = torch.tensor(float(due), device=trainer.strategy.root_device)
             due = float(trainer.strategy.reduce(flag, reduce_op="sum")) > 0  # some process's clock says so
