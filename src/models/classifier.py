@@ -59,6 +59,9 @@ class ImageClassifier(pl.LightningModule):
         compile_mode: `torch.compile` mode: "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune".
         compile_backend: `torch.compile` backend: "inductor" (generates fused kernels), or "aot_eager" (traces
             forward and backward without generating code: for checking that a model compiles, quickly).
+        tta_flip: Test-time augmentation: validation, test and predict use the mean of the logits of each image
+            and of its left-right mirror image (the training augmentation's flip), at twice the evaluation cost;
+            training is unchanged. As airbench (Jordan 2024, arXiv 2404.00498) evaluates.
         nonfinite_loss: What a NaN or infinite training loss does: "stop" (raise, naming the first bad step and
             batch; the loss is watched on its device with no host sync per step, and the watch is read at the
             Trainer's logging steps, at each epoch's last batch, before every checkpoint save and at the end of
@@ -77,7 +80,7 @@ class ImageClassifier(pl.LightningModule):
                  warmup_max_lr_per_step: float | None = None,
                  nonfinite_loss: Literal["stop", "skip", "ignore"] = "stop", compile: bool = False,
                  compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default",
-                 compile_backend: Literal["inductor", "aot_eager"] = "inductor") -> None:
+                 compile_backend: Literal["inductor", "aot_eager"] = "inductor", tta_flip: bool = False) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"model.lr must be > 0, got {lr}")
@@ -232,7 +235,7 @@ class ImageClassifier(pl.LightningModule):
     def _eval_step(self, batch: tuple[Tensor, ...], stage: str, metric: MulticlassAccuracy,
                    confmat: MulticlassConfusionMatrix, misclassified: Misclassified | None = None) -> None:
         x, y = batch[0], batch[1]
-        logits = self(x)
+        logits = self._eval_logits(x)
         metric.update(logits, y)
         preds = logits.argmax(dim=1)
         confmat.update(preds, y)
@@ -240,6 +243,13 @@ class ImageClassifier(pl.LightningModule):
             misclassified.update(batch[2], preds, y)
         self.log(f"{stage}/loss", self.loss_fn(logits, y), prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
         self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=len(y))
+
+    def _eval_logits(self, x: Tensor) -> Tensor:
+        """Logits (B, num_classes) of x (B, 1, 28, 28) for evaluation: with `tta_flip`, the mean over x and x
+        mirrored left-right (the width axis)."""
+        if not self.hparams.tta_flip:
+            return self(x)
+        return (self(x) + self(x.flip(-1))) / 2
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
         """Accuracy, loss and confusion matrix of (x (B, 1, 28, 28) float32, y (B,) int64[, indices (B,)])."""
@@ -267,7 +277,7 @@ class ImageClassifier(pl.LightningModule):
         """
         x, y = batch[0], batch[1]
         index = batch[2] if len(batch) > 2 else batch_idx * len(y) + torch.arange(len(y), device=y.device)
-        probs = torch.softmax(self(x).float(), dim=1)
+        probs = torch.softmax(self._eval_logits(x).float(), dim=1)
         return {"probs": probs, "target": y, "index": index}
 
     def scaled_lr(self) -> float:
