@@ -1,26 +1,38 @@
-"""A GPU training step of the application against a bare PyTorch loop of the same network, and the host syncs
-inside the application's step.
+"""The GPU speed benchmark: the application's training step against a bare PyTorch loop, the host syncs inside
+the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over three seeds; then the goal table.
 
-    python -m benchmarks.gpu_speed                 # needs a CUDA GPU; Fashion-MNIST under data/ (else synthetic)
-    python -m benchmarks.gpu_speed --rounds 3
+    python -m benchmarks.gpu_speed                 # needs a CUDA GPU; Fashion-MNIST under data/; about 5 minutes
+    python -m benchmarks.gpu_speed --epochs 0 --seeds        # the step rows only (about 1.5 minutes)
+    python -m benchmarks.gpu_speed --recipe="--data.batch_size 512 --trainer.max_epochs 16"   # another recipe
+    python -m benchmarks.gpu_speed --profile prof  # and a host profile and a torch.profiler table per row
 
-For ResNet-18 (configs/resnet18_gpu.yaml: bf16-mixed, channels_last, batch 256) and LeNet (configs/lenet.yaml on
-the GPU: float32, channels_last, batch 64), alternated rounds of:
+1. For ResNet-18 (configs/resnet18_gpu.yaml: bf16-mixed, channels_last, batch 256), the same with ours on
+   [cuda:0, cuda:0], and LeNet (configs/lenet.yaml on the GPU: float32, channels_last, batch 64, with the
+   non-finite check and without), alternated rounds of:
 
-* **app**: the real CLI run (`python -m src.cli fit` in this process, every callback of configs/defaults.yaml),
-  timed over a window of training steps after warm-up: the GPU is drained at the window's start and end only,
-  so the figure is what a user's epoch pays per step;
-* **bare**: the same network, optimizer settings and precision in a plain loop over batches already on the GPU
-  (random images of the same shape), no Lightning, no metrics, no checks, timed the same way.
+   * **app**: the real CLI run (`python -m src.cli fit` in this process, every callback of configs/defaults.yaml),
+     timed over a window of training steps after warm-up: the GPU is drained at the window's start and end
+     only, so the figure is what a user's epoch pays per step;
+   * **bare**: the same network, optimizer settings and precision in a plain loop over batches already on the
+     GPU (random images of the same shape), no Lightning, no augmentation, no metrics, no checks, timed the
+     same way.
 
-Then one non-logging training step of each app runs under `torch.cuda.set_sync_debug_mode("warn")` and the
-syncs it makes are counted and named. Prints the table; ratios compare runs of the same process only.
+   One non-logging training step of each app run is watched with `torch.cuda.set_sync_debug_mode("warn")`, from
+   the first callback's `on_train_batch_start` to the last callback's `on_train_batch_end`, and its syncs are
+   counted and named.
+2. configs/resnet18_gpu.yaml for `--epochs` epochs: the median training seconds of an epoch after the first
+   (validation excluded), and what the first took beyond that (cuDNN's autotuning, compilation).
+3. The GPU recipe (configs/resnet18_gpu.yaml with the `--recipe` overrides) once per seed: test accuracy of the
+   best validation checkpoint, and training seconds with the first epoch's one-off cost apart.
+
+Prints the tables and the goal table; ratios compare runs of the same process only.
 """
 
 import argparse
 import cProfile
 import importlib
 import pstats
+import shlex
 import statistics
 import tempfile
 import time
@@ -32,6 +44,7 @@ import torch
 import yaml
 from torch import nn
 
+from benchmarks import gpu_runs
 from benchmarks.strategy_step import data_dir
 from src.cli import main as cli_main
 from src.models import LeNet, ResNet18, init_weights
@@ -47,9 +60,20 @@ def _drain() -> None:
         torch.cuda.synchronize()
 
 
+class _ProbeEnd(pl.Callback):
+    """Appended after every other callback: ends the sync probe once all their `on_train_batch_end` hooks ran."""
+
+    def __init__(self, window: "Window") -> None:
+        self.window = window
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.window.end_probe()
+
+
 class Window(pl.Callback):
     """Seconds of training steps [WARMUP, WARMUP + TIMED), the GPU drained at the window's two ends only; and the
-    syncs made inside step SYNC_PROBE_STEP (from on_train_batch_start to on_train_batch_end)."""
+    syncs made inside step SYNC_PROBE_STEP, from the first callback's `on_train_batch_start` (this one moves itself
+    to the front) to the last callback's `on_train_batch_end` (a `_ProbeEnd` appended at setup)."""
 
     seconds: float = float("nan")
     syncs: list[str] = []
@@ -61,6 +85,20 @@ class Window(pl.Callback):
         self._caught: list = []
         self._host = None
         self._trace = None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        # Lightning is iterating over this list: moving the current item to the front leaves the next one next
+        trainer.callbacks.remove(self)
+        trainer.callbacks.insert(0, self)
+        trainer.callbacks.append(_ProbeEnd(self))
+
+    def end_probe(self) -> None:
+        if self._catch is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catch.__exit__(None, None, None)
+            self._catch = None
+            type(self).syncs = [str(w.message).split("\n")[0][:90] for w in self._caught
+                                if "synchroniz" in str(w.message)]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -84,12 +122,6 @@ class Window(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # already counts this batch's optimizer step
-        if self._catch is not None:
-            torch.cuda.set_sync_debug_mode("default")
-            self._catch.__exit__(None, None, None)
-            self._catch = None
-            type(self).syncs = [str(w.message).split("\n")[0][:90] for w in self._caught
-                            if "synchroniz" in str(w.message)]
         out = type(self).profile_to
         if self._trace is not None and step == TRACE[1]:
             _drain()
@@ -171,21 +203,21 @@ CASES = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of app and bare per network")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="folder: after the timed rounds, one more app run per network writes its host profile "
-                             "(cProfile of the window) and a torch.profiler table of steps 10-20 there")
-    parser.add_argument("--only", default="", help="run only the rows whose name contains this text")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gpu_speed needs a CUDA GPU")
-    root = data_dir()
-    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, lightning {pl.__version__}; "
-          f"{WARMUP} warm-up + {TIMED} timed steps; {args.rounds} alternated rounds", flush=True)
+# The GPU recipe whose accuracy the benchmark measures: the shipped GPU config with these overrides (a candidate
+# until its accuracy is measured; `--recipe` replaces it)
+RECIPE = ["--data.batch_size", "1024", "--trainer.max_epochs", "20", "--model.init_args.tta_flip", "true"]
+GPU_CONFIG = "configs/resnet18_gpu.yaml"
+
+
+def _goal(name: str, value: float, bound: float, shown: str) -> str:
+    return f"| {name} | {shown} | ≤ {bound:g} | {'**met**' if value <= bound else 'not met'} |"
+
+
+def step_rows(args, root: str) -> tuple[list[str], dict[str, tuple[float, float, int]]]:
+    """The app-against-bare table, and {row name: (app ms, bare ms, syncs)} for the goal table."""
     lines = ["| network | app ms/step | bare loop ms/step | app / bare | syncs in one non-logging app step |",
              "|---|---|---|---|---|"]
+    found = {}
     for name, (config, extra, make, batch, precision) in CASES.items():
         if args.only not in name:
             continue
@@ -199,6 +231,7 @@ def main() -> None:
             init_weights(net, recipe.get("init", "kaiming"))
             bare.append(bare_step(net, recipe, batch, precision))
         a, b = statistics.median(app), statistics.median(bare)
+        found[name] = (a, b, len(syncs))
         lines.append(f"| {name} | {a:.2f} ({', '.join(f'{x:.2f}' for x in app)}) | "
                      f"{b:.2f} ({', '.join(f'{x:.2f}' for x in bare)}) | {a / b:.2f} | {len(syncs)} |")
         for s in sorted(set(syncs)):
@@ -214,7 +247,70 @@ def main() -> None:
             finally:
                 window.profile_to = None
             print(f"  {name}: profiled app run {ms:.2f} ms/step (profiler overhead included) -> {out}")
-    print("\n".join(lines))
+    return lines, found
+
+
+def goal_table(steps: dict, epochs, runs) -> list[str]:
+    """The goals of a GPU step, epoch and recipe, against what this run measured (rows it did not measure are
+    left out)."""
+    lines = ["| goal | measured | bound | |", "|---|---|---|---|"]
+    single, ours = steps.get("ResNet-18, bf16-mixed, batch 256"), steps.get("ResNet-18, ours on [cuda:0, cuda:0]")
+    lenet = steps.get("LeNet, float32, batch 64")
+    if single:
+        lines.append(_goal("ResNet-18 app step / bare loop (bf16, batch 256)", single[0] / single[1], 1.15,
+                           f"{single[0] / single[1]:.2f} ({single[0]:.2f} / {single[1]:.2f} ms)"))
+    if lenet:
+        lines.append(_goal("LeNet app step / bare loop (float32, batch 64)", lenet[0] / lenet[1], 1.3,
+                           f"{lenet[0] / lenet[1]:.2f} ({lenet[0]:.2f} / {lenet[1]:.2f} ms)"))
+    if single and ours:
+        lines.append(_goal("ours on [cuda:0, cuda:0] / single app step (ResNet-18)", ours[0] / single[0], 1.3,
+                           f"{ours[0] / single[0]:.2f} ({ours[0]:.2f} / {single[0]:.2f} ms)"))
+    if steps:
+        worst = max(v[2] for v in steps.values())
+        lines.append(_goal("host syncs in a non-logging app step (every row)", worst, 0, str(worst)))
+    if epochs is not None:
+        each = ", ".join(f"{x:.2f}" for x in epochs.epoch_seconds)
+        lines.append(_goal(f"ResNet-18 epoch, {GPU_CONFIG}, median after the first (s)", epochs.steady_epoch_s, 1.0,
+                           f"{epochs.steady_epoch_s:.2f} s (epochs {each}; first epoch's extra "
+                           f"{epochs.first_epoch_extra_s:.1f} s)"))
+    if runs:
+        accs = [r.test_acc for r in runs]
+        mean_acc, worst_s = statistics.mean(accs), max(r.training_s for r in runs)
+        met = "**met**" if mean_acc >= 0.95 else "not met"
+        lines.append(f"| ResNet-18 recipe test acc, mean of {len(runs)} seeds | {mean_acc:.4f} "
+                     f"({', '.join(f'{a:.4f}' for a in accs)}) | ≥ 0.95 | {met} |")
+        lines.append(_goal("ResNet-18 recipe training time, slowest seed (s; warm-up apart)", worst_s, 30,
+                           f"{worst_s:.1f} s (first epochs' extra "
+                           f"{', '.join(f'{r.first_epoch_extra_s:.1f}' for r in runs)} s)"))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of app and bare per network")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="folder: after the timed rounds, one more app run per network writes its host profile "
+                             "(cProfile of the window) and a torch.profiler table of steps 10-20 there")
+    parser.add_argument("--only", default="", help="run only the step rows whose name contains this text")
+    parser.add_argument("--epochs", type=int, default=6,
+                        help=f"epochs of {GPU_CONFIG} for its epoch time (0: skip)")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[42, 1, 2],
+                        help="seeds of the recipe's accuracy runs (none: skip)")
+    parser.add_argument("--recipe", type=shlex.split, default=RECIPE,
+                        help=f"overrides of {GPU_CONFIG} for the accuracy runs, one string given with '=' "
+                             f"(default: --recipe=\"{' '.join(RECIPE)}\")")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu_speed needs a CUDA GPU")
+    root = data_dir()
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, lightning {pl.__version__}; "
+          f"{WARMUP} warm-up + {TIMED} timed steps; {args.rounds} alternated rounds", flush=True)
+    lines, steps = step_rows(args, root)
+    print("\n".join(lines), flush=True)
+    epochs = gpu_runs.epoch_time(GPU_CONFIG, args.epochs, root) if args.epochs else None
+    runs = gpu_runs.accuracy(GPU_CONFIG, args.recipe, args.seeds, root) if args.seeds else []
+    print(f"\n# the recipe: {GPU_CONFIG} {' '.join(args.recipe)}; seeds {args.seeds}")
+    print("\n".join(goal_table(steps, epochs, runs)))
 
 
 if __name__ == "__main__":
