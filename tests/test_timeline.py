@@ -1,6 +1,8 @@
 """The step timeline: labelled phases in real traces, categories measured from intervals, and nothing when off."""
 
 import csv
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +12,10 @@ from src.timeline import labels
 from src.timeline.breakdown import CATEGORIES, Span, classify_step, load_spans, process_breakdown
 from tests.helpers.runs import ddp, fit
 
-OURS_LABELS = {"dp/scatter", "dp/replica 0/forward", "dp/replica 1/forward", "dp/replica 0/backward",
-               "dp/replica 1/backward", "dp/replica 1/optimizer", "dp/allreduce bucket 0", "dp/gather", "dp/loop"}
+ROOT = Path(__file__).resolve().parent.parent
+
+OURS_LABELS = {"dp/forward", "dp/scatter", "dp/replica 0/forward", "dp/replica 1/forward", "dp/backward",
+               "dp/backward (all replicas)", "dp/replica 1/optimizer", "dp/allreduce bucket 0", "dp/gather", "dp/loop"}
 
 
 def _names(path):
@@ -52,7 +56,7 @@ def test_ddp_two_processes(tiny_data_dir, tmp_path):
     for rank in (0, 1):
         spans = load_spans(tmp_path / "tl" / f"trace-rank{rank}.json")
         loop_thread = next(s.tid for s in spans if s.name.startswith("dp/step"))
-        assert {"dp/replica 0/forward", "dp/replica 0/backward", "dp/loop"} <= {s.name for s in spans}
+        assert {"dp/forward", "dp/backward", "dp/loop"} <= {s.name for s in spans}
         # DDP's bucket allreduce runs on gloo's thread, recorded by torch without any label of ours
         assert any(s.name == "gloo:all_reduce" and s.tid != loop_thread for s in spans)
     _check_breakdown(tmp_path / "tl", ranks=2)
@@ -79,16 +83,41 @@ def test_categories_are_measured_from_intervals():
                   "hidden_communication": 10.0, "gpu_busy": 26.0, "step": 100.0}
 
 
-def test_recording_backward_per_replica_is_bitwise_the_same(tiny_data_dir, tmp_path):
-    """While recording, our strategy backpropagates each replica's term on its own: the same weights, bit for bit."""
-    from src.strategies import SplitAllreduceStrategy
+@pytest.mark.slow  # starts processes of its own (2 x 2)
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_the_profile_overlay_changes_nothing_it_records(tiny_data_dir, tmp_path, layout):
+    """Ours with and without configs/profile.yaml (steps 20-24 recorded), 30 steps: one backward per step through
+    the precision plugin in every process either way, and the same weights bit for bit."""
+    import subprocess
+    import sys
 
-    plain, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=6)
-    traced, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=6,
-                       callbacks=[StepTimeline(start_step=1, steps=4, dirpath=str(tmp_path))])
-    assert "dp/replica 1/backward" in _names(tmp_path / "trace-rank0.json")
-    for (name, a), b in zip(plain.state_dict().items(), traced.state_dict().values()):
-        assert torch.equal(a, b), name
+    from tests.helpers.cli_args import data_args, trainer_args
+    from tests.helpers.counting import COUNT_DIR
+
+    ours = ["--config", "configs/strategy/split_allreduce.yaml"] if layout == "1x2" else [
+        "--config", "configs/strategy/split_allreduce_processes.yaml",
+        "--trainer.strategy.init_args.replicas_per_process", "2"]
+    ranks = 1 if layout == "1x2" else 2
+    weights = {}
+    for run in ("plain", "profiled"):
+        counts = tmp_path / run / "counts"
+        counts.mkdir(parents=True)
+        args = ["fit", "--config", "configs/lenet.yaml", *ours,
+                *(["--config", "configs/profile.yaml"] if run == "profiled" else []),
+                "--model", "tests.helpers.counting.BackwardCountingLeNet", *data_args(tiny_data_dir, batch_size=16),
+                *trainer_args(tmp_path / run / "logs"), "--trainer.max_steps", "30", "--test_after_fit", "false"]
+        env = {**os.environ, COUNT_DIR: str(counts), "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-m", "src.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [int((counts / f"rank{r}.txt").read_text()) for r in range(ranks)] == [30] * ranks
+        [ckpt] = (tmp_path / run / "logs").glob("lenet/*/version_0/checkpoints/last.ckpt")
+        weights[run] = torch.load(ckpt, weights_only=True)["state_dict"]
+    timeline = next((tmp_path / "profiled" / "logs").glob("lenet/*/version_0/timeline"))
+    assert "dp/backward (all replicas)" in _names(timeline / "trace-rank0.json")
+    assert weights["plain"].keys() == weights["profiled"].keys()
+    for name, tensor in weights["plain"].items():
+        assert torch.equal(tensor, weights["profiled"][name]), name
 
 
 def test_off_by_default_nothing_is_profiled(tiny_data_dir, monkeypatch):

@@ -1,9 +1,10 @@
 """Record a few training steps with `torch.profiler` and show where each step's time went, per process and replica.
 
-Works alike for one device, DDP and `split_allreduce`: the strategy's `training_step` and `backward` are
-labelled `dp/replica 0/forward` and `dp/replica 0/backward` while the window records, and `split_allreduce`
-labels its own phases inside them (scatter, each replica's forward and backward, each bucket's allreduce, waits,
-the other replicas' optimizer steps). DDP's collectives are recorded by torch itself.
+Works alike for one device, DDP and `split_allreduce`, and changes nothing it records: it opens spans from its
+own hooks only, `dp/forward` from a batch's start to Lightning's `on_before_backward` and `dp/backward` from there
+to `on_after_backward`. `split_allreduce` labels its own phases inside them (scatter, each replica's forward, the
+backward of all replicas, each bucket's allreduce, waits, the other replicas' optimizer steps) with labels it
+always enters, which are no-ops outside the window. DDP's collectives are recorded by torch itself.
 docs/timeline.md explains how to read the output.
 """
 
@@ -60,7 +61,7 @@ class StepTimeline(pl.Callback):
         self._batch = 0
         self._loop_span: Any = None
         self._step_span: Any = None
-        self._restore: list[str] = []
+        self._phase_span: Any = None  # the forward or backward span open now
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._batch = 0
@@ -74,10 +75,20 @@ class StepTimeline(pl.Callback):
             self._finish(trainer, complete=self.steps)
         if self.profiler is not None:  # a step runs from this batch's start to the next one's
             self._step_span = _open(f"{STEP}{self._batch}")
+            self._phase_span = _open("dp/forward")
         self._batch += 1
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        if self.profiler is not None:
+            self._close_phase()
+            self._phase_span = _open("dp/backward")
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_phase()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._close_phase()  # still open if the step was skipped (no backward)
         if self.profiler is not None:  # the loop's own work until the next batch starts: hooks, logging, data
             self._loop_span = _open("dp/loop")
 
@@ -85,8 +96,14 @@ class StepTimeline(pl.Callback):
         if self.profiler is not None:  # the fit ended inside the window: the last step is incomplete
             self._finish(trainer, complete=self._batch - self.start_step - 1)
 
+    def _close_phase(self) -> None:
+        if self._phase_span is not None:
+            self._phase_span.__exit__(None, None, None)
+            self._phase_span = None
+
     def _close_spans(self) -> None:
-        """Close the loop span, then the step span around it (if open)."""
+        """Close the forward or backward span, the loop span, then the step span around them (if open)."""
+        self._close_phase()
         for span in (self._loop_span, self._step_span):
             if span is not None:
                 span.__exit__(None, None, None)
@@ -97,16 +114,9 @@ class StepTimeline(pl.Callback):
         self.profiler = profile(activities=_activities(trainer), experimental_config=all_threads_profiler_config())
         self.profiler.start()
         labels.set_recording(True)
-        strategy = trainer.strategy
-        for name, label in (("training_step", "forward"), ("backward", "backward")):
-            setattr(strategy, name, _labelled(getattr(strategy, name), label))
-            self._restore.append(name)
 
     def _finish(self, trainer: pl.Trainer, complete: int) -> None:
         labels.set_recording(False)
-        for name in self._restore:
-            delattr(trainer.strategy, name)  # the class's method again
-        self._restore = []
         self._close_spans()
         self.profiler.stop()
         with tempfile.TemporaryDirectory() as tmp:
@@ -126,13 +136,6 @@ def _open(name: str) -> Any:
     span = record_function(name)
     span.__enter__()
     return span
-
-
-def _labelled(method: Any, what: str) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with labels.replica_phase(0, what):
-            return method(*args, **kwargs)
-    return wrapper
 
 
 def _activities(trainer: pl.Trainer) -> list[ProfilerActivity]:

@@ -41,8 +41,7 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
     return shards
 
 
-def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: int | None = None,
-                  terms: list[tuple[int, Tensor]] | None = None) -> Any:
+def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: int | None = None) -> Any:
     """The loss of the whole global batch, sum_k (n_k / N) * loss_k, on `device`, as one autograd graph.
 
     Each replica's loss is the mean over its n_k samples, so this weighted sum is the mean over all N, and
@@ -55,7 +54,6 @@ def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: i
             loss tensor or a dict holding "loss". Replicas with n_k = 0 are skipped.
         device: Where the sum is formed (replica 0's device).
         total: N, the samples of the global batch (default: the sum of this process's n_k).
-        terms: If given, receives (k, (n_k / N) * loss_k) per replica that ran, for a backward per replica.
 
     Returns:
         The combined loss (a () tensor), or replica 0's output dict with "loss" replaced by it.
@@ -65,7 +63,7 @@ def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: i
     """
     total = total if total is not None else sum(n for n, _ in results)
     combined = None
-    for k, (n, out) in enumerate(results):
+    for n, out in results:
         if n == 0:
             continue
         loss = out["loss"] if isinstance(out, dict) else out
@@ -74,7 +72,5 @@ def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: i
                                f"with 'loss'), got {type(loss).__name__}")
         term = loss.to(device) * (n / total)
         combined = term if combined is None else combined + term
-        if terms is not None:
-            terms.append((k, term))
     first = results[0][1]
     return {**first, "loss": combined} if isinstance(first, dict) else combined

@@ -1,7 +1,6 @@
 """Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes."""
 
-from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -36,8 +35,7 @@ from src.strategies.replicate import (clone_optimizer, copy_parameters_, make_re
                                      step_other_replicas_)
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
 from src.strategies.sync_batchnorm import convert_, revert_
-from src.strategies.replica_backward import backward_per_replica
-from src.timeline.labels import phase, recording
+from src.timeline.labels import phase
 
 
 class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
@@ -134,7 +132,6 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         self._followed = False  # optimizer_step followed replica 0 already; its closure's training_step need not
         self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
-        self._loss_terms: list[tuple[int, Tensor]] | None = None  # per replica, while a step timeline records
 
     @property
     def replica_devices(self) -> list[torch.device]:
@@ -340,17 +337,14 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             total = total()
         if any(n and out is None for n, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
-        self._loss_terms = [] if recording() and self.sync_group is None else None
         with phase("gather"):
-            return gather_losses(results, self.root_device, total, self._loss_terms)
+            return gather_losses(results, self.root_device, total)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """One backward through the gathered loss; one per replica while a step timeline records."""
-        terms, self._loss_terms = self._loss_terms, None
-        if terms and len(terms) > 1:
-            return backward_per_replica(self, terms, closure_loss, optimizer, *args, **kwargs)
-        with phase("backward (all replicas)") if self.sync_group is not None else nullcontext():
+        """One backward through the gathered loss: autograd runs every replica's part of it (on several GPUs, at
+        the same time on its per-device threads), so it is one span of the step timeline, not one per replica."""
+        with phase("backward (all replicas)"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

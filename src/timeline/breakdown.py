@@ -9,8 +9,8 @@ Each instant of it is put in exactly one category, from the spans active on that
   `dp/scatter`, `dp/gather`, `dp/sync buffers`, or a `gloo:`/`nccl:`/`c10d::` operator), or inside a compute
   span while no operator runs there and a collective runs on another thread (e.g. DDP waiting for its bucket
   allreduce at the end of backward);
-* **compute**: inside a forward, backward or optimizer span (`dp/replica k/...`, torch's `Optimizer.step#...`
-  and `Optimizer.zero_grad#...`) otherwise;
+* **compute**: inside a forward, backward or optimizer span (`dp/forward`, `dp/backward...`, `dp/replica k/...`,
+  torch's `Optimizer.step#...` and `Optimizer.zero_grad#...`) otherwise;
 * **loop overhead**: inside a `dp/loop` span (the Lightning loop between two steps: callbacks, logging,
   progress bar) or torch's `enumerate(DataLoader)...` span (fetching the next batch);
 * **unattributed**: covered by none of them.
@@ -69,7 +69,7 @@ def category_of(name: str) -> str | None:
         return "waiting"
     if name.startswith(("dp/allreduce", "dp/scatter", "dp/gather", "dp/sync buffers")) or is_comm_op(name):
         return "communication"
-    if name.startswith(("dp/replica ", "dp/backward", "Optimizer.step#", "Optimizer.zero_grad#")):
+    if name.startswith(("dp/forward", "dp/backward", "dp/replica ", "Optimizer.step#", "Optimizer.zero_grad#")):
         return "compute"
     if name.startswith(("dp/loop", "enumerate(DataLoader)")):
         return "loop"

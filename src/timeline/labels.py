@@ -1,7 +1,9 @@
 """Phase labels for the step timeline: `torch.profiler.record_function` spans, emitted only while it records.
 
-Every label starts with `dp/`. A label naming a replica (`dp/replica 1/backward`) belongs to that replica's lane;
-the others (`dp/scatter`, `dp/allreduce bucket 0`, `dp/wait/global batch size`) belong to the whole process.
+Every label starts with `dp/`. A label naming a replica (`dp/replica 1/forward`) belongs to that replica's lane;
+the others (`dp/scatter`, `dp/backward (all replicas)`, `dp/allreduce bucket 0`, `dp/wait/global batch size`)
+belong to the whole process. The code that computes always enters them; whether a timeline records only decides
+whether they make a span, never what runs.
 `src.timeline.breakdown.category_of` says which category each label counts towards.
 
 When no timeline records (the default), `phase` returns one shared `nullcontext`: no `record_function` object
