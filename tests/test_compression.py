@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.strategies.comm.compression import (Bf16Compression, PowerSGDCompression, compressed_rank, make_compression,
+from src.strategies.comm.compression import (Bf16Compression, PowerSGDCompression, compressed_rank, CompressionSpec,
                                              orthogonalize_)
 from src.strategies.comm.process_allreduce import ring_bytes
 from src.strategies.compression_state import restore_state
+from src.strategies.ddp_compression import CompressedDDPStrategy
 
 
 def _wire_bytes(numel: int, size: int) -> int:
@@ -152,16 +153,27 @@ def test_ring_bytes_count_what_each_process_sends():
 
 @pytest.mark.parametrize("kwargs, message", [(dict(rank=0), "powersgd_rank must be at least 1"),
                                              (dict(warmup_steps=-1), "powersgd_warmup_steps must be 0 or more"),
-                                             (dict(min_compression_rate=0.5), "min_compression_rate must be")])
+                                             (dict(min_compression_rate=0.0),
+                                              r"min_compression_rate=0.0: must be a number > 0")])
 def test_bad_powersgd_settings_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        make_compression("powersgd", 2, _wire_bytes, **kwargs)
+        CompressionSpec("powersgd", **kwargs)
+
+
+def test_min_compression_rate_below_one_is_taken_as_torch_and_the_ddp_overlay_take_it():
+    """One rule for ours and DDP: any number > 0. Below 1 a matrix is compressed even where its factors are larger:
+    a (4, 4) gradient at rank 2 is 16 numbers, its factors (4 + 4) x 2 = 16, compressed at 0.5 and not at 1."""
+    spec = CompressionSpec("powersgd", rank=2, min_compression_rate=0.5)
+    assert isinstance(spec.make(2, _wire_bytes), PowerSGDCompression)
+    assert compressed_rank((4, 4), 2, 0.5) == 2 and compressed_rank((4, 4), 2, 1.0) == 0
+    CompressedDDPStrategy(compression="powersgd", min_compression_rate=0.5)  # accepted there too
 
 
 def test_unknown_compression_is_refused():
     with pytest.raises(ValueError, match="unknown compression 'fp8'; choose one of none, bf16, powersgd"):
-        make_compression("fp8", 2, _wire_bytes)
-    assert make_compression("none", 2, _wire_bytes) is None
+        CompressionSpec("fp8")
+    assert CompressionSpec("none").make(2, _wire_bytes) is None
+    assert CompressionSpec("powersgd", rank=4).tag == "powersgd-r4"
 
 
 def _trained(world=2, steps=3):

@@ -22,9 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from src.layout import ParallelLayout
-from src.strategies.comm.vocabulary import compression_tag
+from src.strategies.comm.vocabulary import COMPRESSIONS, check_min_compression_rate, compression_tag
 
-COMPRESSIONS = ("none", "bf16", "powersgd")
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _BF16_BYTES = torch.finfo(torch.bfloat16).bits // 8
@@ -53,10 +52,10 @@ def check_compression_options(compression: str, powersgd_rank: int, powersgd_war
                         "and warm_start: false")
     elif powersgd_warmup_steps < 0:
         problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps}: must be >= 0")
-    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) or \
-            not min_compression_rate > 0:
-        problems.append(f"min_compression_rate={min_compression_rate!r}: must be a number > 0 (torch compresses "
-                        "a matrix only if that shrinks it by this factor; e.g. 2.0)")
+    try:
+        check_min_compression_rate(min_compression_rate)
+    except ValueError as err:
+        problems.append(str(err))
     given = [name for name in _HOOK_ARGS if ddp_kwargs.get(name) is not None]
     if given:
         problems.append(f"{', '.join(given)}: this strategy registers its hook from `compression`; use "

@@ -18,11 +18,11 @@ from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
-from src.strategies.comm.compression import check_powersgd, make_compression
+from src.strategies.comm.compression import CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
 from src.strategies.compression_state import KEY as COMPRESSION_KEY, gather_state, restore_state
-from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice, compression_tag, exchange_name
+from src.strategies.comm.vocabulary import exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.follow import Replica0Watch
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
@@ -83,7 +83,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         error_feedback: PowerSGD keeps what each approximation left out and adds it to the next gradient.
         warm_start: PowerSGD starts each step's power iteration from the last step's Q.
         min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor (biases
-            and other vectors always travel as they are).
+            and other vectors always travel as they are); any number > 0, as torch's hook and the DDP overlay.
 
     Raises:
         ValueError: Bad devices, algorithm, weights, buffer mode or compression settings (at construction); a
@@ -108,13 +108,9 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
                  powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
         super().__init__(process_group_backend, timeout, start_method)
-        self.compression_options = dict(rank=powersgd_rank, warmup_steps=powersgd_warmup_steps,
-                                        error_feedback=error_feedback, warm_start=warm_start,
-                                        min_compression_rate=min_compression_rate)
-        check_choice("compression", compression, COMPRESSIONS)
-        if compression == "powersgd":
-            check_powersgd(powersgd_rank, powersgd_warmup_steps, min_compression_rate)
-        self.compression_name = compression
+        # checked here, once; made at setup, when the world size is known
+        self.compression_spec = CompressionSpec(compression, powersgd_rank, powersgd_warmup_steps, error_feedback,
+                                                warm_start, min_compression_rate)
         self._saved_compression: dict | None = None  # a resumed checkpoint's compression state ({}: none in it)
         check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,
                       bucket_cap_mb, auto_split_steps, check_sync_every)
@@ -168,7 +164,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             exchange_name(self.algorithm, self.process_algorithm, p, k),
             self.process_group_backend if p > 1 else None, self.split_weights, True,
             lambda: self.shares.rank_shares,
-            compression=compression_tag(self.compression_name, self.compression_options["rank"]) if p > 1 else "none")
+            compression=self.compression_spec.tag if p > 1 else "none")
 
     @override
     def setup_environment(self) -> None:
@@ -207,13 +203,13 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
     def _make_compression(self) -> None:
         """The compression of the exchange between processes, anew, with a resumed checkpoint's state."""
         self.compression = None
-        if self.compression_name != "none" and not self.multi_process:
-            rank_zero_info(f"split_allreduce: compression {self.compression_name} has no effect with one process "
+        name = self.compression_spec.name
+        if name != "none" and not self.multi_process:
+            rank_zero_info(f"split_allreduce: compression {name} has no effect with one process "
                            "(the exchange among a process's replicas stays exact)")
-        if self.compression_name != "none" and self.multi_process:
-            wire_bytes = world_allreduce(self.process_algorithm).wire_bytes
-            self.compression = make_compression(self.compression_name, self.world_size, wire_bytes,
-                                                **self.compression_options)
+        if name != "none" and self.multi_process:
+            self.compression = self.compression_spec.make(self.world_size,
+                                                          world_allreduce(self.process_algorithm).wire_bytes)
         saved, self._saved_compression = self._saved_compression, None
         line = restore_state(self.compression, saved, self.world_size, self.global_rank, self.root_device)
         if line:

@@ -9,7 +9,8 @@ the bytes each device sent, so the communication cost is visible and checkable:
   Horovod use): every device sends 2(K-1)/K·N bytes, whatever K, so no device is a bottleneck.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -149,6 +150,33 @@ def ring_(buffers: Sequence[Tensor]) -> list[int]:
 _IMPLEMENTATIONS = {"reduce_broadcast": reduce_broadcast_, "ring": ring_}
 
 
+@dataclass(frozen=True)
+class InProcessAllreduce:
+    """An allreduce among one process's K replicas, chosen once by name (`in_process_allreduce`).
+
+    Args:
+        name: "ring" or "reduce_broadcast".
+        run: The algorithm: sums K 1-D buffers (one per replica) in place; returns the bytes each device sent.
+        chunked: Whether it works on chunks (the ring). With several processes the exchange between them then
+            carries one chunk per local device instead of local replica 0's whole sum
+            (`src.strategies.comm.hierarchical`).
+    """
+
+    name: str
+    run: Callable[[Sequence[Tensor]], list[int]]
+    chunked: bool
+
+
+def in_process_allreduce(name: str) -> InProcessAllreduce:
+    """The algorithm called `name`, checked here once, so that the bucket-by-bucket path checks nothing.
+
+    Raises:
+        ValueError: For an unknown name.
+    """
+    check_algorithm(name)
+    return InProcessAllreduce(name, _IMPLEMENTATIONS[name], chunked=name == "ring")
+
+
 def allreduce_(buffers: Sequence[Tensor], algorithm: str) -> list[int]:
     """Sum K buffers in place so that every buffer holds the total.
 
@@ -162,5 +190,4 @@ def allreduce_(buffers: Sequence[Tensor], algorithm: str) -> list[int]:
     Raises:
         ValueError: For an unknown algorithm.
     """
-    check_algorithm(algorithm)
-    return _IMPLEMENTATIONS[algorithm](buffers)
+    return in_process_allreduce(algorithm).run(buffers)

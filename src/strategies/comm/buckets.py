@@ -4,14 +4,14 @@ A bucket is one flat buffer per replica (the gradients of a few parameters, conc
 moves many small tensors at once, as DDP's buckets do.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from src.strategies.comm.allreduce import broadcast_, nbytes, allreduce_, reduce_
+from src.strategies.comm.allreduce import InProcessAllreduce, broadcast_, in_process_allreduce, nbytes, reduce_
 from src.strategies.comm.compression import Compression
-from src.strategies.comm.hierarchical import two_level_allreduce_
+from src.strategies.comm.hierarchical import BetweenProcesses, two_level_allreduce_
 from src.timeline.labels import phase
 
 
@@ -55,15 +55,15 @@ def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
-                      between: Callable[[Tensor], int | None] | None = None, index: int = 0,
+def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: InProcessAllreduce,
+                      between: BetweenProcesses | None = None, index: int = 0,
                       compression: Compression | None = None, param_ids: Sequence[int] = ()) -> list[int]:
     """Allreduce (sum) the `.grad` of one bucket across K replicas, in place.
 
     Args:
         members: K lists of parameters (entry j of every list the same parameter on another replica), every
             one with a `.grad` of its own shape.
-        algorithm: "reduce_broadcast" or "ring".
+        algorithm: The in-process allreduce (`src.strategies.comm.allreduce.in_process_allreduce`).
         between: With several processes, the allreduce between them: the sum then covers every replica of
             every process (`src.strategies.comm.hierarchical.two_level_allreduce_`). None: this process only.
         index: The bucket's number, for its span in the step timeline (`dp/allreduce bucket <index>`).
@@ -80,7 +80,7 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
     with phase(f"allreduce bucket {index}"):
         flats = [flatten([p.grad for p in group]) for group in members]
         if between is None:
-            sent = allreduce_(flats, algorithm)
+            sent = algorithm.run(flats)
         elif compression is None:
             sent = two_level_allreduce_(flats, algorithm, between)
         else:
@@ -92,9 +92,9 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: str,
     return sent
 
 
-def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: str,
+def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: InProcessAllreduce | str,
                          cap_bytes: int = 25 * 2**20, buckets: Sequence[Sequence[int]] | None = None,
-                         between: Callable[[Tensor], int | None] | None = None,
+                         between: BetweenProcesses | None = None,
                          bucket_ids: Sequence[int] | None = None,
                          compression: Compression | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
@@ -107,7 +107,7 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
     Args:
         replica_params: K lists of parameters, entry i of every list being the same parameter on another
             replica.
-        algorithm: "reduce_broadcast" or "ring".
+        algorithm: The in-process allreduce, or its name ("ring", "reduce_broadcast"), checked once here.
         cap_bytes: Bucket capacity in bytes (used when `buckets` is None).
         buckets: Fixed buckets of parameter indices to reduce (default: `bucket_indices` over the parameters
             that have a gradient somewhere).
@@ -118,6 +118,8 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
     """
+    if isinstance(algorithm, str):
+        algorithm = in_process_allreduce(algorithm)
     k = len(replica_params)
     sent = [0] * k
     if between is None:

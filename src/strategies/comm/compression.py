@@ -33,15 +33,15 @@ and matrices that would shrink by less than `min_compression_rate` are sent as t
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from src.strategies.comm.vocabulary import COMPRESSIONS, check_choice, compressed_rank, matrix_shape
+from src.strategies.comm.hierarchical import BetweenProcesses
+from src.strategies.comm.vocabulary import (COMPRESSIONS, check_choice, check_min_compression_rate, compressed_rank,
+                                            compression_tag, matrix_shape)
 from src.timeline.labels import phase, recording
-
-# allreduce (sum) of a 1-D tensor over the processes, in place; the bytes this process sent or None
-Between = Callable[[Tensor], int | None]
 
 
 def orthogonalize_(p: Tensor) -> None:
@@ -80,7 +80,7 @@ class _Compression:
         self.bytes_sent = self.bytes_uncompressed = 0
 
     def allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
-                   between: Between) -> int:
+                   between: BetweenProcesses) -> int:
         """Replace `flat` (N,), the concatenated gradients of the parameters `param_ids` (indices into replica 0's
         parameter list) with `shapes`, by the (approximate) sum over the processes, in place.
 
@@ -100,7 +100,7 @@ class _Compression:
         raise NotImplementedError
 
     def _allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
-                    between: Between) -> int:
+                    between: BetweenProcesses) -> int:
         raise NotImplementedError
 
 
@@ -118,7 +118,7 @@ class Bf16Compression(_Compression):
         return self.wire_bytes(flat.numel(), 2)
 
     def _allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
-                    between: Between) -> int:
+                    between: BetweenProcesses) -> int:
         low = flat.to(torch.bfloat16)
         sent = between(low) or 0
         flat.copy_(low)
@@ -147,8 +147,7 @@ class PowerSGDCompression(_Compression):
         seed: Seeds the random Q (the same on every process, through a generator of its own: the global random
             state is left alone).
 
-    Raises:
-        ValueError: rank < 1, warmup_steps < 0 or min_compression_rate < 1.
+    The settings are checked once, by the `CompressionSpec` that makes it.
     """
 
     name = "powersgd"
@@ -157,7 +156,6 @@ class PowerSGDCompression(_Compression):
                  min_compression_rate: float, world_size: int, wire_bytes: Callable[[int, int], int],
                  seed: int = 0) -> None:
         super().__init__(wire_bytes)
-        check_powersgd(rank, warmup_steps, min_compression_rate)
         self.rank, self.warmup_steps, self.seed = rank, warmup_steps, seed
         self.error_feedback, self.warm_start = error_feedback, warm_start
         self.min_compression_rate, self.world_size = min_compression_rate, world_size
@@ -181,7 +179,7 @@ class PowerSGDCompression(_Compression):
         return sum(self.wire_bytes(x, flat.element_size()) for x in (first, second) if x)
 
     def _allreduce_(self, flat: Tensor, param_ids: Sequence[int], shapes: Sequence[torch.Size],
-                    between: Between) -> int:
+                    between: BetweenProcesses) -> int:
         if not self.compressing:
             return between(flat) or 0
         grads = [g.view(s) for g, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
@@ -250,28 +248,52 @@ Compression = Bf16Compression | PowerSGDCompression
 
 
 def check_powersgd(rank: int, warmup_steps: int, min_compression_rate: float) -> None:
-    """Raises ValueError for a rank below 1, negative warm-up steps or a minimum compression rate below 1."""
+    """Raises ValueError for a rank below 1, negative warm-up steps or a minimum compression rate that is not > 0
+    (`vocabulary.check_min_compression_rate`: the rule of the DDP overlay too)."""
     if rank < 1:
         raise ValueError(f"powersgd_rank must be at least 1, got {rank}")
     if warmup_steps < 0:
         raise ValueError(f"powersgd_warmup_steps must be 0 or more, got {warmup_steps}")
-    if min_compression_rate < 1:
-        raise ValueError(f"min_compression_rate must be at least 1 (1: compress every matrix that shrinks), "
-                         f"got {min_compression_rate}")
+    check_min_compression_rate(min_compression_rate)
 
 
-def make_compression(name: str, world_size: int, wire_bytes: Callable[[int, int], int], rank: int = 2,
-                     warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
-                     min_compression_rate: float = 2.0, seed: int = 0) -> Compression | None:
-    """The compression called `name` ("none": None), for `world_size` processes.
+@dataclass(frozen=True)
+class CompressionSpec:
+    """The `compression` options of split_allreduce, checked once when the strategy is built; `make` builds the
+    compression at setup, when the world size and the exchange between processes are known.
+
+    Args:
+        name: "none", "bf16" or "powersgd".
+        rank, warmup_steps, error_feedback, warm_start, min_compression_rate: PowerSGD's settings (see
+            `PowerSGDCompression`); ignored by the others.
 
     Raises:
-        ValueError: An unknown name or bad PowerSGD settings.
+        ValueError: An unknown name, or bad PowerSGD settings with "powersgd".
     """
-    check_choice("compression", name, COMPRESSIONS)
-    if name == "bf16":
-        return Bf16Compression(wire_bytes)
-    if name == "powersgd":
-        return PowerSGDCompression(rank, warmup_steps, error_feedback, warm_start, min_compression_rate,
-                                   world_size, wire_bytes, seed)
-    return None
+
+    name: str = "none"
+    rank: int = 2
+    warmup_steps: int = 1000
+    error_feedback: bool = True
+    warm_start: bool = True
+    min_compression_rate: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_choice("compression", self.name, COMPRESSIONS)
+        if self.name == "powersgd":
+            check_powersgd(self.rank, self.warmup_steps, self.min_compression_rate)
+
+    @property
+    def tag(self) -> str:
+        """How run names and HPARAMS name it: "none", "bf16", "powersgd-r<rank>"."""
+        return compression_tag(self.name, self.rank)
+
+    def make(self, world_size: int, wire_bytes: Callable[[int, int], int], seed: int = 0) -> Compression | None:
+        """The compression for `world_size` processes whose uncompressed exchange sends `wire_bytes(numel,
+        element_size)` bytes ("none": None)."""
+        if self.name == "bf16":
+            return Bf16Compression(wire_bytes)
+        if self.name == "powersgd":
+            return PowerSGDCompression(self.rank, self.warmup_steps, self.error_feedback, self.warm_start,
+                                       self.min_compression_rate, world_size, wire_bytes, seed)
+        return None

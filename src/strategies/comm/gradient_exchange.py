@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.strategies.comm.hierarchical import BetweenProcesses
+from src.strategies.comm.allreduce import in_process_allreduce
 from src.strategies.comm.buckets import allreduce_bucket_, allreduce_gradients_, bucket_indices
+from src.strategies.comm.hierarchical import BetweenProcesses
 from src.strategies.comm.compression import Compression
 from src.strategies.comm.overlap import BucketReadiness
 from src.timeline.labels import phase
@@ -35,12 +36,16 @@ class GradientExchange:
         compression: With `between`, how each bucket travels between the processes
             (`src.strategies.comm.compression`); None: exactly. It keeps its state (step count, PowerSGD's Q's and
             error memory) from exchange to exchange.
+
+    Raises:
+        ValueError: An unknown algorithm.
     """
 
     def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
                  overlap: bool, between: BetweenProcesses | None = None, background: bool = False,
                  compression: Compression | None = None) -> None:
-        self.params, self.algorithm, self.between = replica_params, algorithm, between
+        self.params, self.between = replica_params, between
+        self.algorithm = in_process_allreduce(algorithm)  # chosen once; the buckets' path runs it as it is
         self.compression = compression if between is not None else None
         self.buckets = bucket_indices(replica_params[0], cap_bytes)
         self.readiness = BucketReadiness(replica_params, self.buckets, self._reduce_in_backward) if overlap else None

@@ -19,28 +19,46 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from src.strategies.comm.allreduce import all_gather_, broadcast_, owned_chunk, reduce_, reduce_scatter_, ring_chunks
-
-# allreduce (sum) of one 1-D tensor over the processes, in place; returns the bytes this process sent, or
-# None when the implementation does not say (`dist.all_reduce`)
-BetweenProcesses = Callable[[Tensor], int | None]
+from src.strategies.comm.allreduce import (InProcessAllreduce, all_gather_, broadcast_, owned_chunk, reduce_,
+                                          reduce_scatter_, ring_chunks)
 
 
-def two_level_allreduce_(buffers: Sequence[Tensor], algorithm: str, between: BetweenProcesses) -> list[int]:
+class BetweenProcesses:
+    """The allreduce (sum) of one 1-D tensor over every process, in place, as one callable.
+
+    Calling it returns the bytes this process sent, or None when the implementation does not say
+    (`dist.all_reduce`). `wire_bytes(numel, element_size)` says beforehand what a buffer of that size costs this
+    process (0 when the implementation does not say), which the compression counts against.
+
+    Args:
+        allreduce: The collective, on the buffer.
+        wire_bytes: Bytes this process sends for a buffer of (numel, bytes per element).
+    """
+
+    def __init__(self, allreduce: Callable[[Tensor], int | None], wire_bytes: Callable[[int, int], int]) -> None:
+        self._allreduce = allreduce
+        self.wire_bytes = wire_bytes
+
+    def __call__(self, buffer: Tensor) -> int | None:
+        return self._allreduce(buffer)
+
+
+def two_level_allreduce_(buffers: Sequence[Tensor], algorithm: InProcessAllreduce,
+                         between: BetweenProcesses) -> list[int]:
     """Sum K local buffers over every replica of every process, in place.
 
     Args:
         buffers: This process's K 1-D tensors of equal length and dtype, one per local replica; every process
             passes the same length.
-        algorithm: The in-process algorithm, "ring" or "reduce_broadcast"; it also sets the shape (above).
-        between: The allreduce between processes (see `src.strategies.comm.process_allreduce`), applied to one
-            chunk per local device ("ring") or to local replica 0's whole buffer ("reduce_broadcast").
+        algorithm: The in-process algorithm, ring or reduce_broadcast; it also sets the shape (above).
+        between: The allreduce between processes, applied to one chunk per local device (ring) or to local
+            replica 0's whole buffer (reduce_broadcast).
 
     Returns:
         Bytes sent by each of the K local devices, both levels (the level between processes only when
         `between` reports its bytes).
     """
-    if algorithm == "ring":
+    if algorithm.chunked:
         sent = reduce_scatter_(buffers)
         chunks = ring_chunks(buffers)
         for k in range(len(buffers)):

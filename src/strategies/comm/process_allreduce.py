@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from src.strategies.comm.allreduce import ring_chunk_sizes, ring_step
+from src.strategies.comm.hierarchical import BetweenProcesses
 from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, check_choice
 from src.timeline.labels import phase
 
@@ -179,12 +180,13 @@ def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None],
     return ring_allreduce_ if name == "ring" else torch_allreduce_
 
 
-def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
-    """The implementation called `name` over the default (world) process group, as a function of the buffer;
-    each call is a `dp/allreduce (processes)` span in the step timeline.
+def world_allreduce(name: str) -> BetweenProcesses:
+    """The implementation called `name` over the default (world) process group, as a `BetweenProcesses`: each call
+    is a `dp/allreduce (processes)` span in the step timeline, and its `wire_bytes` are `ring_bytes` for "ring"
+    (0 for "torch", whose bytes the backend does not report).
 
-    The function's `wire_bytes(numel, element_size)` says how many bytes this process sends for a buffer of
-    that size (`ring_bytes`; 0 for "torch", whose bytes the backend does not report).
+    Raises:
+        ValueError: For another name.
     """
     implementation = process_allreduce(name)
 
@@ -194,5 +196,4 @@ def world_allreduce(name: str) -> Callable[[Tensor], int | None]:
 
     def wire_bytes(numel: int, element_size: int) -> int:
         return ring_bytes(numel, element_size, dist.get_world_size(), dist.get_rank()) if name == "ring" else 0
-    between_processes.wire_bytes = wire_bytes
-    return between_processes
+    return BetweenProcesses(between_processes, wire_bytes)

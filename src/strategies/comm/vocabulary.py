@@ -68,6 +68,19 @@ def powersgd_numbers(shapes: Sequence[Sequence[int]], rank: int, min_compression
     return total
 
 
+def check_min_compression_rate(value: object) -> None:
+    """PowerSGD's `min_compression_rate`, one rule for ours and the DDP overlay: any number > 0, as torch's
+    `powerSGD_hook` takes. A matrix is compressed when that shrinks it by more than this factor
+    (`compressed_rank`), so below 1 even matrices that the factors make larger are compressed.
+
+    Raises:
+        ValueError: For anything else, naming the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"min_compression_rate={value!r}: must be a number > 0 (a matrix is compressed only if "
+                         "that shrinks it by this factor; e.g. 2.0)")
+
+
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     """Raises ValueError naming `option`, the bad `value` and the `choices`."""
     if value not in choices:
