@@ -4,6 +4,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from src.lab import privileges
@@ -148,26 +149,13 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
                 log.flush()
 
         lab.up()
-        say(f"{lab.name}: {len(lab.machines)} machines on a bridge (namespace {lab.switch})")
-        for m in lab.machines:
-            say(f"  {m.describe()}")
-        if args.tcp_retries2 is not None:
-            say(f"  TCP gives up on unanswered data after {tcp_give_up_seconds(args.tcp_retries2):g} s "
-                f"(net.ipv4.tcp_retries2 = {args.tcp_retries2} on every machine)")
-        if oversubscribed:
-            say(oversubscribed)
+        _describe(lab, args.tcp_retries2, oversubscribed, say)
         if args.action == "up":
             say(f"{lab.name} is up: run a command on machine I with `ip netns exec {lab.name}-mI taskset -c CORES "
                 "COMMAND` (its cores as above); Ctrl-C or SIGTERM tears the lab down")
             while True:
                 signal.pause()
-        note = survivors_note(faults, len(lab.machines), args.min_machines)
-        if note:
-            say(note)
-        job = Job(command, out, args.procs_per_machine, args.min_machines, args.max_restarts, args.job or lab.name,
-                  args.rdzv_conf, faults, args.timeout, echo=not args.quiet, cut_grace=args.cut_grace)
-        code = run_job(lab, job, say)
-        say(f"job ended with exit status {code}")
+        code = _run(lab, args, command, faults, out, say)
     except KeyboardInterrupt:
         code = 0 if args.action == "up" else 130
     except Stopped as e:
@@ -188,6 +176,30 @@ def _with_lab(args, command, cores, rates, faults, oversubscribed) -> int:
         for s, h in previous.items():
             if h is not None:  # None: a handler not set from Python, which cannot be put back
                 signal.signal(s, h)
+    return code
+
+
+def _describe(lab: Lab, tcp_retries2: int | None, oversubscribed: str, say: Callable[[str], None]) -> None:
+    """The lab's lines once it is up: its machines, TCP's give-up time if set, a warning of shared cores."""
+    say(f"{lab.name}: {len(lab.machines)} machines on a bridge (namespace {lab.switch})")
+    for m in lab.machines:
+        say(f"  {m.describe()}")
+    if tcp_retries2 is not None:
+        say(f"  TCP gives up on unanswered data after {tcp_give_up_seconds(tcp_retries2):g} s "
+            f"(net.ipv4.tcp_retries2 = {tcp_retries2} on every machine)")
+    if oversubscribed:
+        say(oversubscribed)
+
+
+def _run(lab: Lab, args, command: list[str], faults: list, out: Path, say: Callable[[str], None]) -> int:
+    """Run the job on the lab that is up; its exit status."""
+    note = survivors_note(faults, len(lab.machines), args.min_machines)
+    if note:
+        say(note)
+    job = Job(command, out, args.procs_per_machine, args.min_machines, args.max_restarts, args.job or lab.name,
+              args.rdzv_conf, faults, args.timeout, echo=not args.quiet, cut_grace=args.cut_grace)
+    code = run_job(lab, job, say)
+    say(f"job ended with exit status {code}")
     return code
 
 

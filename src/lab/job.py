@@ -207,95 +207,132 @@ def run_job(lab: Lab, job: Job, say: Callable[[str], None], cwd: Path | None = N
     Returns:
         The job's exit status (`job_status`): the cut-off and killed machines' own statuses do not count.
     """
-    cwd = Path.cwd() if cwd is None else cwd
-    job.out.mkdir(parents=True, exist_ok=True)
-    tic, wall = time.monotonic(), time.time()
+    run = _JobRun(lab, job, say, Path.cwd() if cwd is None else cwd)
+    try:
+        run.start()
+        timed_out = run.apply_faults()
+        if not timed_out:
+            run.wait_for_cut_off()
+        return run.report(timed_out)
+    finally:
+        run.teardown()
 
-    def note(text: str) -> None:
-        say(f"{time.monotonic() - tic:7.1f} s  {text}")
 
-    procs, files = [], []
-    ended: dict[int, float] = {}  # machine -> when its torchrun was first seen to have exited (monotonic s)
-    hit_at: dict[int, float] = {}  # machine -> when its fault hit (monotonic s)
+class _JobRun:
+    """One run of a job: its torchrun processes and output files, and when each machine's fault hit and when it
+    was first seen to have exited (seconds on `time.monotonic()`'s clock)."""
 
-    def look() -> None:
+    def __init__(self, lab: Lab, job: Job, say: Callable[[str], None], cwd: Path) -> None:
+        self.lab, self.job, self.say, self.cwd = lab, job, say, cwd
+        job.out.mkdir(parents=True, exist_ok=True)
+        self.tic, self.wall = time.monotonic(), time.time()
+        self.deadline = self.tic + job.timeout if job.timeout is not None else float("inf")
+        self.procs: list[subprocess.Popen] = []
+        self.files: list = []
+        self.ended: dict[int, float] = {}  # machine -> when its torchrun was first seen to have exited
+        self.hit_at: dict[int, float] = {}  # machine -> when its fault hit
+        self.hit: dict[int, Fault] = {}  # machine -> the fault that hit it
+        self.pending = sorted(job.faults, key=lambda f: (f.step is not None, f.seconds or 0, f.step or 0))
+        self.stop = threading.Event()
+        self.follower: threading.Thread | None = None
+
+    def note(self, text: str) -> None:
+        self.say(f"{time.monotonic() - self.tic:7.1f} s  {text}")
+
+    def look(self) -> None:
         """Note the machines whose torchrun has exited since the last look (0.1 s apart)."""
         now = time.monotonic()
-        for i, p in enumerate(procs):
-            if i not in ended and p.poll() is not None:
-                ended[i] = now
+        for i, p in enumerate(self.procs):
+            if i not in self.ended and p.poll() is not None:
+                self.ended[i] = now
 
-    stop = threading.Event()
-    follower = None
-    try:
-        for m in lab.machines:
-            files.append(open(job.out / f"machine{m.index}.txt", "wb"))  # noqa: SIM115  closed below
-            procs.append(subprocess.Popen(torchrun_line(lab, m.index, job), cwd=cwd, stdin=subprocess.DEVNULL,
-                                          env=machine_env(lab, m.index, job), stdout=files[-1],
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        note(f"started torchrun on {len(procs)} machines; their output: {job.out}/machineI.txt")
-        if job.echo:
-            follower = threading.Thread(target=_follow, args=(job.out / "machine0.txt", stop), daemon=True)
-            follower.start()
-        pending, hit = sorted(job.faults, key=lambda f: (f.step is not None, f.seconds or 0, f.step or 0)), {}
-        steps = StepWatch(job, cwd, wall)
-        deadline = tic + job.timeout if job.timeout is not None else float("inf")
-        timed_out = False
-        while any(procs[i].poll() is None for i in range(len(procs)) if i not in hit):
-            look()
-            if time.monotonic() > deadline:
-                note(f"the job ran past --timeout {job.timeout:g} s: stopped")
-                timed_out = True
-                break
-            elapsed = time.monotonic() - tic
-            step = steps.step() if any(f.step is not None for f in pending) else None
-            for fault in [f for f in pending if (f.seconds is not None and elapsed >= f.seconds)
+    def start(self) -> None:
+        """torchrun on every machine, each writing to its own file; machine 0's output echoed if asked."""
+        for m in self.lab.machines:
+            self.files.append(open(self.job.out / f"machine{m.index}.txt", "wb"))  # noqa: SIM115  closed in teardown
+            self.procs.append(subprocess.Popen(torchrun_line(self.lab, m.index, self.job), cwd=self.cwd,
+                                               stdin=subprocess.DEVNULL, env=machine_env(self.lab, m.index, self.job),
+                                               stdout=self.files[-1], stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        self.note(f"started torchrun on {len(self.procs)} machines; their output: {self.job.out}/machineI.txt")
+        if self.job.echo:
+            self.follower = threading.Thread(target=_follow, args=(self.job.out / "machine0.txt", self.stop),
+                                             daemon=True)
+            self.follower.start()
+
+    def apply_faults(self) -> bool:
+        """Until every machine no fault hit has exited: apply each fault when its time or step comes.
+
+        Returns:
+            Whether the job ran past its timeout.
+        """
+        steps = StepWatch(self.job, self.cwd, self.wall)
+        while any(self.procs[i].poll() is None for i in range(len(self.procs)) if i not in self.hit):
+            self.look()
+            if time.monotonic() > self.deadline:
+                self.note(f"the job ran past --timeout {self.job.timeout:g} s: stopped")
+                return True
+            elapsed = time.monotonic() - self.tic
+            step = steps.step() if any(f.step is not None for f in self.pending) else None
+            for fault in [f for f in self.pending if (f.seconds is not None and elapsed >= f.seconds)
                           or (f.step is not None and step is not None and step >= f.step)]:
-                pending.remove(fault)
-                hit[fault.machine] = fault
-                if fault.kind == "cut":
-                    lab.cut(fault.machine)
-                    what = "cut off", "its link is down at the switch, its processes keep running"
-                else:
-                    lab.kill(fault.machine)
-                    what = "killed", "all its processes SIGKILLed"
-                hit_at[fault.machine] = time.monotonic()
-                at_step = f" (step {step})" if step is not None else ""
-                note(f"machine {fault.machine} {what[0]} {fault.when()}{at_step}: {what[1]}")
+                self._apply(fault, step)
             time.sleep(0.1)
-        look()
-        # A cut-off machine cannot be told that the job is over: give it until cut_grace after its cut to notice
-        # by itself (and not past --timeout), so that the lab shows whether and when it would have stopped.
-        cut = [i for i, f in hit.items() if f.kind == "cut" and procs[i].poll() is None]
-        if not timed_out and any(time.monotonic() < hit_at[i] + job.cut_grace for i in cut):
+        self.look()
+        return False
+
+    def _apply(self, fault: Fault, step: int | None) -> None:
+        self.pending.remove(fault)
+        self.hit[fault.machine] = fault
+        if fault.kind == "cut":
+            self.lab.cut(fault.machine)
+            what = "cut off", "its link is down at the switch, its processes keep running"
+        else:
+            self.lab.kill(fault.machine)
+            what = "killed", "all its processes SIGKILLed"
+        self.hit_at[fault.machine] = time.monotonic()
+        at_step = f" (step {step})" if step is not None else ""
+        self.note(f"machine {fault.machine} {what[0]} {fault.when()}{at_step}: {what[1]}")
+
+    def wait_for_cut_off(self) -> None:
+        """A cut-off machine cannot be told that the job is over: give it until cut_grace after its cut to notice
+        by itself (and not past --timeout), so that the lab shows whether and when it would have stopped."""
+        cut = [i for i, f in self.hit.items() if f.kind == "cut" and self.procs[i].poll() is None]
+        grace = self.job.cut_grace
+        if any(time.monotonic() < self.hit_at[i] + grace for i in cut):
             which = f"machines {', '.join(map(str, cut))} to exit by themselves" if len(cut) > 1 else \
                 f"machine {cut[0]} to exit by itself"
-            note(f"the others have ended; waiting for cut-off {which}, up to {job.cut_grace:g} s after the cut "
-                 "(--cut-grace)")
-        while not timed_out and any(procs[i].poll() is None and time.monotonic() < min(hit_at[i] + job.cut_grace,
-                                                                                    deadline) for i in cut):
-            look()
+            self.note(f"the others have ended; waiting for cut-off {which}, up to {grace:g} s after the cut "
+                      "(--cut-grace)")
+        while any(self.procs[i].poll() is None and time.monotonic() < min(self.hit_at[i] + grace, self.deadline)
+                  for i in cut):
+            self.look()
             time.sleep(0.1)
-        look()
+
+    def report(self, timed_out: bool) -> int:
+        """Each machine's last line, the faults that never came due; the job's exit status."""
+        self.look()
         now = time.monotonic()
-        codes = [p.poll() for p in procs]
+        codes = [p.poll() for p in self.procs]
         for i, code in enumerate(codes):  # one that exited since the last look ended about now
-            note(machine_line(i, code, hit.get(i), hit_at.get(i), ended.get(i, now), now))
-        for fault in pending:
-            note(f"--{fault.kind} {fault.machine} {fault.when()} never came due")
-        return job_status(codes, set(hit), timed_out)
-    finally:
-        for i, p in enumerate(procs):
+            self.note(machine_line(i, code, self.hit.get(i), self.hit_at.get(i), self.ended.get(i, now), now))
+        for fault in self.pending:
+            self.note(f"--{fault.kind} {fault.machine} {fault.when()} never came due")
+        return job_status(codes, set(self.hit), timed_out)
+
+    def teardown(self) -> None:
+        """Kill what still runs (its machine's processes, then the torchrun itself), stop the echo, close files."""
+        for i, p in enumerate(self.procs):
             if p.poll() is None:
-                lab.kill(i)
+                self.lab.kill(i)
             if p.poll() is None:
                 try:
                     p.send_signal(signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             p.wait()
-        stop.set()
-        if follower is not None:
-            follower.join(timeout=5)
-        for f in files:
+        self.stop.set()
+        if self.follower is not None:
+            self.follower.join(timeout=5)
+        for f in self.files:
             f.close()

@@ -245,20 +245,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     """
     _check(question)
     preset = hardware_preset(question.hardware)
-    custom = question.network_params is not None
-    cfg = {} if custom else _experiment(question.config)
-    data = cfg.get("data") or {}
-    batch = question.batch_size or data.get("batch_size", 256)
-    if batch < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch}")
-    epoch_images = question.epoch_images or TRAIN_IMAGES - data.get("val_size", 5000)
-    if user.bucket_cap_mb is not None and not user.bucket_cap_mb > 0:
-        raise ValueError(f"--bucket_cap_mb must be > 0, got {user.bucket_cap_mb}")
-    bucket_bytes = round((user.bucket_cap_mb or DDP_BUCKET_BYTES / 2**20) * 2**20)
-    if custom:
-        net = custom_network(question.network_params, question.grad_bytes, bucket_bytes)
-    else:
-        net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"), bucket_bytes)
+    net, batch, epoch_images = _network_and_batch(question, user)
     per_node = user.devices_per_node or preset.per_node
     if per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {per_node}")
@@ -280,18 +267,11 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
 
     bands = [predict_band(a, d, batch, question.batch_mode, compute, sent, node_size(d), achieved,
                           line, overlap, messages, bounds) for a in question.algorithms for d in question.devices]
+    custom = question.network_params is not None
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
-    fits = fit_sync()
-    precision = question.precision or "unknown (both kinds)"
-    sync_fit = "; ".join(f"{f.precision}: {f.bounds[0]:.1%} to {f.bounds[1]:.1%} (mean {f.mean:.1%} of "
-                         f"{len(f.implied)} rows)" for f in fits.values())
     notes = [
-        f"network: {net.class_name}, {net.parameters:,} parameters, {net.gradient_bytes:,} bytes of "
-        f"{'/'.join(net.gradient_dtypes)} gradients per replica in {messages} allreduce call(s) per step "
-        + ("[user: --network_params, --grad_bytes]" if custom else
-           f"[measured: counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image "
-           "(conv + dense, backward = 2x forward)"),
+        _network_note(net, custom, messages),
         f"gradient compression between devices: {compression_note}",
         f"batch: {batch} images {scaling}; {epoch_images:,} images per epoch",
         f"compute per replica: {compute.overhead_s * 1e3:.3f} ms/step + {compute.seconds_per_image * 1e6:.2f} "
@@ -299,22 +279,66 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         f"intra-node link ({per_node} devices per node): {intra_note}",
         f"inter-node link ({achieved.nics or per_node} NICs per node, NCCL's rings over all of them): {inter_note}",
         f"overlap of exchange with backward: {overlap_note}; the range takes none (low) to full (high)",
-        f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard deviation) "
-        "and the step waits for the slowest, E[max of p normals] x that [assumed: p50 and p95 step times of "
-        "https://github.com/pytorch/pytorch/blob/main/benchmarks/distributed/ddp/README.md differ by 0 to 5%]",
-        (f"sync overhead (data-parallel hooks and bucket copies, processes sharing one host): "
-         f"{user.sync_overhead:.1%} of the compute once devices > 1 [user: --sync_overhead]"
-         if user.sync_overhead is not None else
-         f"sync overhead (data-parallel hooks and bucket copies, processes sharing one host), precision "
-         f"{precision}: {bounds.sync_overhead[0]:.1%} to {bounds.sync_overhead[1]:.1%} of the compute once devices "
-         f"> 1 [published: fitted on the calibration rows of src/scaling/calibration/published_scaling.csv, a "
-         f"{LEVEL:.0%} prediction interval per kind: {sync_fit}]"),
-        "exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring across "
-        "nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no overlap and the "
-        "upper jitter and sync bounds, its high end line rates, full overlap and the lower bounds; network "
-        "congestion, tree / NVLS algorithms and memory limits are not modelled",
+        _JITTER_NOTE,
+        _sync_note(user.sync_overhead, question.precision, bounds),
+        _EXCHANGE_NOTE,
     ]
     return Forecast(bands, notes, net, model, batch, epoch_images)
+
+
+def _network_and_batch(question: Question, user: Overrides) -> tuple[Network, int, int]:
+    """The network (inspected from the config's model, or the user's numbers), the batch and the images per epoch.
+
+    Raises:
+        ValueError: A batch size below 1 or a bucket cap that is not > 0.
+    """
+    custom = question.network_params is not None
+    cfg = {} if custom else _experiment(question.config)
+    data = cfg.get("data") or {}
+    batch = question.batch_size or data.get("batch_size", 256)
+    if batch < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch}")
+    epoch_images = question.epoch_images or TRAIN_IMAGES - data.get("val_size", 5000)
+    if user.bucket_cap_mb is not None and not user.bucket_cap_mb > 0:
+        raise ValueError(f"--bucket_cap_mb must be > 0, got {user.bucket_cap_mb}")
+    bucket_bytes = round((user.bucket_cap_mb or DDP_BUCKET_BYTES / 2**20) * 2**20)
+    if custom:
+        return custom_network(question.network_params, question.grad_bytes, bucket_bytes), batch, epoch_images
+    net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"), bucket_bytes)
+    return net, batch, epoch_images
+
+
+def _network_note(net: Network, custom: bool, messages: int) -> str:
+    """The assumption line about the network: its size, its gradients and where the numbers come from."""
+    source = ("[user: --network_params, --grad_bytes]" if custom else
+              f"[measured: counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image "
+              "(conv + dense, backward = 2x forward)")
+    return (f"network: {net.class_name}, {net.parameters:,} parameters, {net.gradient_bytes:,} bytes of "
+            f"{'/'.join(net.gradient_dtypes)} gradients per replica in {messages} allreduce call(s) per step "
+            + source)
+
+
+def _sync_note(user_overhead: float | None, precision: str | None, bounds: Bounds) -> str:
+    """The assumption line about the sync overhead: the user's figure, or the fitted range for `precision`."""
+    what = "sync overhead (data-parallel hooks and bucket copies, processes sharing one host)"
+    if user_overhead is not None:
+        return f"{what}: {user_overhead:.1%} of the compute once devices > 1 [user: --sync_overhead]"
+    fits = "; ".join(f"{f.precision}: {f.bounds[0]:.1%} to {f.bounds[1]:.1%} (mean {f.mean:.1%} of "
+                     f"{len(f.implied)} rows)" for f in fit_sync().values())
+    return (f"{what}, precision {precision or 'unknown (both kinds)'}: {bounds.sync_overhead[0]:.1%} to "
+            f"{bounds.sync_overhead[1]:.1%} of the compute once devices > 1 [published: fitted on the calibration "
+            f"rows of src/scaling/calibration/published_scaling.csv, a {LEVEL:.0%} prediction interval per kind: "
+            f"{fits}]")
+
+
+_JITTER_NOTE = (f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard "
+                "deviation) and the step waits for the slowest, E[max of p normals] x that [assumed: p50 and p95 "
+                "step times of https://github.com/pytorch/pytorch/blob/main/benchmarks/distributed/ddp/README.md "
+                "differ by 0 to 5%]")
+_EXCHANGE_NOTE = ("exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring "
+                  "across nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no "
+                  "overlap and the upper jitter and sync bounds, its high end line rates, full overlap and the lower "
+                  "bounds; network congestion, tree / NVLS algorithms and memory limits are not modelled")
 
 
 def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:

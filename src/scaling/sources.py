@@ -207,18 +207,7 @@ def resolve_compute(device: str, net: Network, calibration: str, seconds_per_ima
     if device == "gpu":
         raise ValueError("hardware preset with a GPU of unstated model: give --seconds_per_image and --overhead_s")
     if device == "cpu":
-        cal = load_calibration(calibration)
-        if net.class_name not in cal.get("compute", {}):
-            raise ValueError(f"{calibration} has no compute calibration for {net.class_name} (it has "
-                             f"{', '.join(cal.get('compute', {})) or 'none'}): run `python -m src.forecast "
-                             f"--calibrate --calibrate_configs '[\"<your config>\"]'`")
-        c = cal["compute"][net.class_name]
-        compute = Compute(overhead_s if overhead_s is not None else c["overhead_s"],
-                          seconds_per_image if seconds_per_image is not None else c["seconds_per_image"])
-        note = (f"[measured: a line through the median step times at batches "
-                f"{sorted({b for b, _ in c['samples']})}, {c['threads']} thread(s), relative error rms "
-                f"{c['fit']['rms_rel_err']:.0%}; {cal['hardware']}, {cal['date']}]")
-        return compute, note
+        return _calibrated_cpu(net, calibration, seconds_per_image, overhead_s)
     from src.models.classifier import LeNetClassifier, ResNet18Classifier
 
     ref = {net.class_name: net}  # build only the reference networks not built already (ResNet-18: about 1 s)
@@ -243,6 +232,27 @@ def resolve_compute(device: str, net: Network, calibration: str, seconds_per_ima
                 f"ms/step as measured on the {REFERENCE_GPU} (host-side work, assumed the same)")
     compute = Compute(ref_overhead if overhead_s is None else overhead_s,
                       per_image if seconds_per_image is None else seconds_per_image)
+    return compute, note
+
+
+def _calibrated_cpu(net: Network, calibration: str, seconds_per_image: float | None,
+                    overhead_s: float | None) -> tuple[Compute, str]:
+    """`resolve_compute` for the CPU: the calibration file's line for `net`, where the user gave no number.
+
+    Raises:
+        ValueError: The file has no compute calibration for this network (the message says what to run).
+    """
+    cal = load_calibration(calibration)
+    if net.class_name not in cal.get("compute", {}):
+        raise ValueError(f"{calibration} has no compute calibration for {net.class_name} (it has "
+                         f"{', '.join(cal.get('compute', {})) or 'none'}): run `python -m src.forecast "
+                         f"--calibrate --calibrate_configs '[\"<your config>\"]'`")
+    c = cal["compute"][net.class_name]
+    compute = Compute(overhead_s if overhead_s is not None else c["overhead_s"],
+                      seconds_per_image if seconds_per_image is not None else c["seconds_per_image"])
+    note = (f"[measured: a line through the median step times at batches "
+            f"{sorted({b for b, _ in c['samples']})}, {c['threads']} thread(s), relative error rms "
+            f"{c['fit']['rms_rel_err']:.0%}; {cal['hardware']}, {cal['date']}]")
     return compute, note
 
 
