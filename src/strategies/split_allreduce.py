@@ -297,9 +297,11 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             check_enough_samples("a batch of ", n, self.replicas_per_process)
         return shard_sizes(n, self.shares.replica_weights(self.global_rank))
 
-    def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict) -> list[tuple[int, Any]]:
-        """Scatter `batch`, run `step` on every replica, merge their metrics; [(n_k, output_k)] by replica."""
-        sizes = self.shard_sizes(batch_size_of(batch))
+    def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict,
+                      n: int | None = None) -> list[tuple[int, Any]]:
+        """Scatter `batch` (of `n` samples, counted here if not given), run `step` on every replica, merge their
+        metrics; [(n_k, output_k)] by replica."""
+        sizes = self.shard_sizes(batch_size_of(batch) if n is None else n)
         with phase("scatter"):
             shards = scatter(batch, sizes)
         timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
@@ -328,7 +330,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
                                    agreement=self._watch.agreement_code(self.optimizers[0])) \
             if self.multi_process else (lambda: n)
         with self.precision_plugin.train_step_context():
-            results = self._run_replicas("training_step", args[0], args[1:], kwargs)
+            results = self._run_replicas("training_step", args[0], args[1:], kwargs, n)
         with phase("wait/global batch size"):
             total = total()
         if any(n and out is None for n, out in results):
