@@ -8,6 +8,7 @@ imports no strategy of ours (the strategies import it).
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -86,6 +87,14 @@ class ParallelLayout:
         return replicas_text(self.processes, self.replicas_per_process)
 
 
+@runtime_checkable
+class DescribesLayout(Protocol):
+    """A strategy that says its own layout (`SplitAllreduceStrategy`): the seam through which the rest of the tool
+    reads a strategy's state."""
+
+    def parallel_layout(self) -> ParallelLayout: ...
+
+
 def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
     """The layout of `strategy`: one that describes itself (`strategy.parallel_layout()`, as
     `SplitAllreduceStrategy` does), Lightning's DDP (any start method) or a single device.
@@ -93,9 +102,8 @@ def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
     Raises:
         TypeError: For any other strategy, naming the ones this tool supports.
     """
-    describe_self = getattr(strategy, "parallel_layout", None)
-    if callable(describe_self):
-        return describe_self()
+    if isinstance(strategy, DescribesLayout):
+        return strategy.parallel_layout()
     if isinstance(strategy, DDPStrategy):
         p = strategy.world_size
         backend = strategy.process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")

@@ -236,3 +236,20 @@ def test_a_compressed_checkpoint_resumed_under_another_strategy_says_its_state_i
     assert resumed.trainer.global_step == 4
     assert ("gradient compression: the checkpoint's PowerSGD rank 2 state is not used (this run's strategy does "
             "not read it)") in caplog.text
+
+
+def test_the_epoch_line_names_our_compression_and_its_bytes():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from src.callbacks.strategy_metrics import _compression_bytes
+    from src.strategies import SplitAllreduceStrategy
+
+    ours = SplitAllreduceStrategy(devices=["cpu", "cpu"])
+    assert _compression_bytes(ours) is None  # before the first step: no exchange yet
+    powersgd = CompressionSpec("powersgd", rank=2, warmup_steps=0).make(2, _wire_bytes)
+    powersgd.begin_step()
+    ours.exchange = SimpleNamespace(compression=powersgd, bytes_sent=[700, 0], bytes_uncompressed=[4000, 0])
+    assert _compression_bytes(ours) == ("PowerSGD rank 2", 700, 4000)
+    assert _compression_bytes(SingleDeviceStrategy("cpu")) is None

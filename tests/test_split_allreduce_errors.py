@@ -61,7 +61,7 @@ def test_more_gpus_than_the_node_has_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a 2-GPU machine, whatever this one has
     with pytest.raises(ValueError, match=r"2 processes per node .* x replicas_per_process 2 = 4 GPUs, but this "
                                          r"machine has 2"):
-        check_layout(strategy)
+        check_layout(strategy, None)  # no devices listed: each process takes its own GPUs
 
 
 def test_unknown_algorithm_and_buffer_mode():

@@ -85,8 +85,8 @@ def _compression_bytes(strategy: object) -> tuple[str, int, int] | None:
             return None
         words = f"PowerSGD rank {strategy.powersgd_rank}" if strategy.compression == "powersgd" else "bf16"
         return words, strategy.bytes_sent_last_step, strategy.bytes_uncompressed_last_step
-    exchange = getattr(strategy, "exchange", None)
-    compression = getattr(exchange, "compression", None)
+    exchange = strategy.exchange if isinstance(strategy, SplitAllreduceStrategy) else None
+    compression = exchange.compression if exchange is not None else None
     if compression is None or not exchange.bytes_sent:
         return None
     words = f"PowerSGD rank {compression.rank}" if compression.name == "powersgd" else compression.name

@@ -32,9 +32,13 @@ def check_options(devices: list[str] | None, replicas_per_process: int, allreduc
         raise ValueError("need bucket_cap_mb > 0, auto_split_steps >= 2 and check_sync_every >= 0")
 
 
-def check_layout(strategy: "pl.strategies.Strategy") -> None:
+def check_layout(strategy: "pl.strategies.Strategy", explicit: list[torch.device] | None) -> None:
     """P processes x K replicas must fit the machine (on GPUs, the processes of a node must not share GPUs), and
     `split_weights` must have one entry per replica of the job.
+
+    Args:
+        strategy: The split_allreduce strategy (its processes, replicas, weights and assigned devices).
+        explicit: The `devices` the config listed, or None.
 
     Raises:
         ValueError: Explicit CUDA `devices` with several processes per node (each would take the same GPUs),
@@ -43,7 +47,6 @@ def check_layout(strategy: "pl.strategies.Strategy") -> None:
     """
     processes, k = strategy.num_processes, strategy.replicas_per_process
     check_split_weights(strategy.split_weights, strategy.total_replicas, replicas_text(strategy.world_size, k))
-    explicit = strategy._devices
     if explicit is not None and processes > 1 and any(d.type == "cuda" for d in explicit):
         raise ValueError(f"devices {[str(d) for d in explicit]} lists GPUs, and every one of the {processes} processes "
                          "per node (trainer.devices) would take the same ones. Drop devices and set "

@@ -169,7 +169,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Check the layout (devices, weights) against P x K, then start the process group when P > 1."""
-        check_layout(self)
+        check_layout(self, self._devices)
         super().setup_environment()
 
     @override
