@@ -22,7 +22,7 @@ from src.models.classifier import ImageClassifier
 from src.run.checkpoints import check_checkpoint, keep_saved_folders, resolve_last_checkpoint
 from src.run.class_paths import register as register_class_paths
 from src.run.cleanup import register as register_process_group_cleanup
-from src.run.elastic import apply_launcher_layout, fit_split_weights, resolve_auto_checkpoint
+from src.run.elastic import apply_launcher_layout, resolve_auto_checkpoint, weights_after_restart
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.run.launch_checks import check_before_run
 from src.run.lightning_compat import give_lost_rank_reports_time
@@ -68,7 +68,10 @@ class CLI(LightningCLI):
             trainer.logger = False  # a predict run adds no TensorBoard run (and no empty HPARAMS row)
 
     def _check(self) -> None:
-        fit_split_weights(self.trainer.strategy)  # a restart with another number of replicas: equal shares
+        strategy = self.trainer.strategy
+        if isinstance(strategy, SplitAllreduceStrategy):  # before setup, where the strategy builds its shares
+            strategy.split_weights = weights_after_restart(strategy.split_weights,
+                                                           strategy.world_size * strategy.replicas_per_process)
         check_before_run(self.trainer, self.datamodule)
         for callback in (ProcessGroupCleanup, RestartReport, HParamsMetrics):  # missing from older config.yaml
             if not any(isinstance(c, callback) for c in self.trainer.callbacks):

@@ -10,7 +10,7 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
 from src.callbacks import LastCheckpoint, RestartReport
 from src.cli import main, run
-from src.run.elastic import apply_launcher_layout, check_ddp_batch_after_restart, fit_split_weights
+from src.run.elastic import apply_launcher_layout, check_ddp_batch_after_restart, weights_after_restart
 from src.run.launcher import run_id
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers.cli_args import fast_args
@@ -82,10 +82,13 @@ def test_split_weights_of_another_replica_count_become_equal_shares_after_a_rest
     monkeypatch.setenv("WORLD_SIZE", "2")
     strategy = SplitAllreduceStrategy(split_weights=[3.0, 1.0, 1.0])
     strategy.cluster_environment = TorchElasticEnvironment()
-    fit_split_weights(strategy, {})
-    assert strategy.split_weights == [3.0, 1.0, 1.0]  # a first start keeps them (and the launch check refuses)
-    fit_split_weights(strategy, {"TORCHELASTIC_RESTART_COUNT": "1"})
-    assert strategy.split_weights is None
+    replicas = strategy.world_size * strategy.replicas_per_process
+    assert replicas == 2
+    # a first start keeps them (and the launch check refuses)
+    assert weights_after_restart(strategy.split_weights, replicas, {}) == [3.0, 1.0, 1.0]
+    assert weights_after_restart(strategy.split_weights, replicas, {"TORCHELASTIC_RESTART_COUNT": "1"}) is None
+    assert weights_after_restart([1.0, 2.0], 2, {"TORCHELASTIC_RESTART_COUNT": "1"}) == [1.0, 2.0]  # still fits
+    assert weights_after_restart("auto", 3, {"TORCHELASTIC_RESTART_COUNT": "1"}) == "auto"
 
 
 class SavedSteps(LastCheckpoint):

@@ -72,22 +72,25 @@ def check_ddp_batch_after_restart(batch_size: int, eval_batch_size: int, world_s
         check_global_batch(key, batch, world_size)
 
 
-def fit_split_weights(strategy: Any, environ: Mapping[str, str] = os.environ) -> None:
-    """`split_weights` given per replica no longer fit after a restart with another number of replicas: the
-    restart then trains with equal shares, and says so (the sum over the shards, and so the training, is the
-    same for any shares, up to float rounding). `auto` measures again after every restart by itself.
+def weights_after_restart(weights: object, replicas: int, environ: Mapping[str, str] = os.environ) -> object:
+    """The `split_weights` to train with: a list given per replica no longer fits after a restart with another
+    number of replicas, so the restart trains with equal shares (None) and says so. The sum over the shards, and
+    so the training, is the same for any shares, up to float rounding; `auto` measures again after every restart
+    by itself.
 
     Args:
-        strategy: The Trainer's strategy; anything but `split_allreduce` with a list of weights is left alone.
+        weights: split_allreduce's `split_weights` (a list, "auto" or None).
+        replicas: P x K, the replicas of the job as it starts now.
+        environ: Where the launcher's restart count is read.
+
+    Returns:
+        `weights`, or None for a list of another length after a restart.
     """
-    weights = getattr(strategy, "split_weights", None)
-    if not isinstance(weights, (list, tuple)) or not restart_count(environ):
-        return
-    total = strategy.world_size * strategy.replicas_per_process
-    if len(weights) != total:
-        rank_zero_info(f"split_weights lists {len(weights)} replicas but this restart has {total}: training goes on "
-                       "with equal shares (set split_weights: auto to measure the new replicas)")
-        strategy.split_weights = None
+    if not isinstance(weights, (list, tuple)) or not restart_count(environ) or len(weights) == replicas:
+        return weights
+    rank_zero_info(f"split_weights lists {len(weights)} replicas but this restart has {replicas}: training goes on "
+                   "with equal shares (set split_weights: auto to measure the new replicas)")
+    return None
 
 
 def resolve_auto_checkpoint(logger: Any, environ: Mapping[str, str] = os.environ) -> str | None:
