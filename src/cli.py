@@ -7,7 +7,7 @@ FMNIST_DEBUG=1) shows the full traceback instead.
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import src.run.quiet  # noqa: F401  first: the few third-party messages every run hides (see the module)
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
@@ -87,6 +87,27 @@ class CLI(LightningCLI):
             batch = getattr(self.datamodule, "batch_size", None)
             logger.describe_run(stage + run_tag(self.trainer),
                                 run_hparams(self.trainer, batch, self.config[self.subcommand].get("seed_everything")))
+        checkpoint = self._resolve_checkpoint(config, logger)
+        # chosen once the checkpoint is known: a resumed fit keeps the threads its run used (src/run/threads.py)
+        choice = choose_threads(self.config[self.subcommand].get("threads"), processes,
+                                saved=saved_threads(checkpoint) if self.subcommand == "fit" else None)
+        use_threads(choice)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RestartReport):
+                callback.thread_choice = choice  # its restart line says which count the resumed run uses
+        if isinstance(logger, RunLogger):
+            logger.run_hparams["run/threads"] = choice.threads  # described above, before the count was chosen
+
+    before_fit = before_validate = before_test = _check
+
+    def _resolve_checkpoint(self, config: Any, logger: Any) -> dict | None:
+        """The checkpoint options of this command, checked and resolved (`last`, `auto`), and the checkpoint they
+        name, read and checked (None without one).
+
+        Raises:
+            ValueError: validate/test/predict without a checkpoint, `--weights_only false`, `auto` outside fit, or
+                a checkpoint that does not fit the model.
+        """
         if self.subcommand != "fit" and not config.get("ckpt_path"):
             raise ValueError(f"{self.subcommand} without --ckpt_path would use untrained weights: give the checkpoint "
                              "to evaluate, e.g. --ckpt_path last (the newest last.ckpt of this model) or "
@@ -121,17 +142,7 @@ class CLI(LightningCLI):
                 keep_saved_folders(self.trainer.callbacks, checkpoint)
                 if isinstance(logger, RunLogger) and isinstance(checkpoint.get("global_step"), int):
                     logger.describe_length(length_words(checkpoint["global_step"]))  # what the checkpoint trained
-        # chosen once the checkpoint is known: a resumed fit keeps the threads its run used (src/run/threads.py)
-        choice = choose_threads(self.config[self.subcommand].get("threads"), processes,
-                                saved=saved_threads(checkpoint) if self.subcommand == "fit" else None)
-        use_threads(choice)
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RestartReport):
-                callback.thread_choice = choice  # its restart line says which count the resumed run uses
-        if isinstance(logger, RunLogger):
-            logger.run_hparams["run/threads"] = choice.threads  # described above, before the count was chosen
-
-    before_fit = before_validate = before_test = _check
+        return checkpoint
 
     def before_predict(self) -> None:
         """Every image of `data.predict_dir`, then the launch checks (so a refused file stops the run before any

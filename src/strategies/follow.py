@@ -13,6 +13,7 @@ Group settings (lr, momentum, ...) are not watched here: they are copied into ev
 """
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,3 +129,29 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return type(value).__name__
+
+
+class FollowOncePerStep:
+    """Carries replica 0's changes to the other replicas once before each forward pass of theirs.
+
+    Lightning runs a step as optimizer_step -> closure -> training_step. The strategy follows replica 0 at the start
+    of optimizer_step, before the closure, so that overlap hooks made for new `requires_grad` flags are armed in
+    it; training_step then must not follow again. A micro-batch that only accumulates gradients runs training_step
+    with no optimizer_step before it, and follows there.
+
+    Args:
+        follow: What following does (the strategy's rebuild of what changed).
+    """
+
+    def __init__(self, follow: Callable[[], None]) -> None:
+        self._follow = follow
+        self._followed = False  # optimizer_step followed already, for the training_step inside its closure
+
+    def before_optimizer_step(self) -> None:
+        self._follow()
+        self._followed = True
+
+    def before_forward(self) -> None:
+        if not self._followed:
+            self._follow()
+        self._followed = False

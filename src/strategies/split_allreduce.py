@@ -24,7 +24,7 @@ from src.strategies.comm.process_allreduce import world_allreduce
 from src.strategies.compression_state import KEY as COMPRESSION_KEY, gather_state, restore_state
 from src.strategies.comm.vocabulary import exchange_name
 from src.strategies.devices import local_replica_devices, parse_devices
-from src.strategies.follow import Replica0Watch
+from src.strategies.follow import FollowOncePerStep, Replica0Watch
 from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
 from src.strategies.lockstep import SyncGroup, lockstep_apply
 from src.strategies.parallel_apply import parallel_apply
@@ -125,7 +125,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
         self.compression = None  # made at train start (`compression`), kept when the exchange is made again
         self._watch: Replica0Watch | None = None  # what the copies and the exchange were built from (train start)
-        self._followed = False  # optimizer_step followed replica 0 already; its closure's training_step need not
+        self._follow = FollowOncePerStep(self._follow_replica0)
         self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
 
@@ -322,9 +322,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         """Run training_step on every shard and return the loss of the whole global batch (gather)."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
-        if not self._followed:  # a micro-batch that only accumulates: optimizer_step did not run first
-            self._follow_replica0()
-        self._followed = False
+        self._follow.before_forward()
         n = batch_size_of(args[0])  # with P > 1 the global batch's N is counted while the replicas run forward
         total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.sync_group is not None,
                                    agreement=self._watch.agreement_code(self.optimizers[0])) \
@@ -368,8 +366,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
         # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
-        self._follow_replica0()  # before the closure, so that overlap hooks made for new flags are armed in it
-        self._followed = True
+        self._follow.before_optimizer_step()  # before the closure (see FollowOncePerStep)
         grad_norms = self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
         out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
                                      model, **kwargs)
