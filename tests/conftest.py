@@ -31,9 +31,9 @@ def fast_args(tiny_data_dir, tmp_path):
 def pytest_collection_modifyitems(config, items):
     """Run the tests that start processes of their own (marked slow) first, in their file order.
 
-    The suite runs on two pytest-xdist workers (scripts/test.sh, `--dist worksteal`): each takes half of the
-    collection and, once done, steals from the end of the other's queue. With the long tests at the front the
-    last tests to start are short ones, so neither worker waits long for the other at the end.
+    The suite runs on three pytest-xdist workers (scripts/test.sh, `--dist worksteal`): each takes a third of the
+    collection and, once done, steals from the end of another's queue. With the long tests at the front the
+    last tests to start are short ones, so no worker waits long for the others at the end.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
