@@ -63,6 +63,13 @@ class StepTimeline(pl.Callback):
         self._step_span: Any = None
         self._phase_span: Any = None  # the forward or backward span open now
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # first among the callbacks: its spans then open before the other callbacks' hooks run, so their work is
+        # counted (forward at a batch's start, loop at its end) instead of falling between spans. Lightning is
+        # iterating over this list: moving the current item to the front leaves the next one next.
+        trainer.callbacks.remove(self)
+        trainer.callbacks.insert(0, self)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._batch = 0
 
