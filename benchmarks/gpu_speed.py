@@ -48,6 +48,7 @@ from benchmarks import gpu_runs
 from benchmarks.strategy_step import data_dir
 from src.cli import main as cli_main
 from src.models import LeNet, ResNet18, init_weights
+from src.run.lightning_compat import run_first
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP, TIMED = 30, 100          # app and bare: steps before the window, steps in it
@@ -87,9 +88,7 @@ class Window(pl.Callback):
         self._trace = None
 
     def setup(self, trainer, pl_module, stage) -> None:
-        # Lightning is iterating over this list: moving the current item to the front leaves the next one next
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
+        run_first(trainer, self)
         trainer.callbacks.append(_ProbeEnd(self))
 
     def end_probe(self) -> None:

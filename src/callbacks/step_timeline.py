@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from src.callbacks.epoch_report import say
-from src.run.lightning_compat import all_threads_profiler_config
+from src.run.lightning_compat import all_threads_profiler_config, run_first
 from src.layout import parallel_layout
 from src.timeline import labels
 from src.timeline.breakdown import STEP, median_row, process_breakdown, spans_of, step_number
@@ -65,10 +65,8 @@ class StepTimeline(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # first among the callbacks: its spans then open before the other callbacks' hooks run, so their work is
-        # counted (forward at a batch's start, loop at its end) instead of falling between spans. Lightning is
-        # iterating over this list: moving the current item to the front leaves the next one next.
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
+        # counted (forward at a batch's start, loop at its end) instead of falling between spans
+        run_first(trainer, self)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._batch = 0

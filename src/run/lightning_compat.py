@@ -194,3 +194,12 @@ def all_threads_profiler_config() -> Any:
         return torch.profiler._ExperimentalConfig(profile_all_threads=True)
     except (AttributeError, TypeError):
         return None
+
+
+def run_first(trainer: "pl.Trainer", callback: "pl.Callback") -> None:
+    """Make `callback` the first of the trainer's callbacks, so its per-batch hooks run before every other
+    callback's. Lightning calls each hook on `trainer.callbacks` in list order (it moves checkpoint callbacks to
+    the end, tuner callbacks to the front); called from the callback's `setup`, while Lightning iterates over
+    that list, moving the current item to the front leaves the next item next."""
+    trainer.callbacks.remove(callback)
+    trainer.callbacks.insert(0, callback)

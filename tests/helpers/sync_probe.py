@@ -3,6 +3,8 @@
 import lightning.pytorch as pl
 import torch
 
+from src.run.lightning_compat import run_first
+
 
 class NoSyncInSteps(pl.Callback):
     """Runs every training step that neither logs nor saves under `torch.cuda.set_sync_debug_mode("error")`: any
@@ -19,9 +21,7 @@ class NoSyncInSteps(pl.Callback):
         self.checked: list[int] = []
 
     def setup(self, trainer, pl_module, stage) -> None:
-        # Lightning is iterating over this list: moving the current item to the front leaves the next one next
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
+        run_first(trainer, self)
         trainer.callbacks.append(_EndRegion())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
