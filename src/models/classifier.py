@@ -246,10 +246,15 @@ class ImageClassifier(pl.LightningModule):
 
     def _eval_logits(self, x: Tensor) -> Tensor:
         """Logits (B, num_classes) of x (B, 1, 28, 28) for evaluation: with `tta_flip`, the mean over x and x
-        mirrored left-right (the width axis)."""
+        mirrored left-right (the width axis).
+
+        Both views go through the network as one batch of 2B: one call, so half the kernel launches, and under
+        CUDA graphs (`compile_mode: reduce-overhead`) the first view's output is not overwritten by a second call.
+        """
         if not self.hparams.tta_flip:
             return self(x)
-        return (self(x) + self(x.flip(-1))) / 2
+        both = self(torch.cat([x, x.flip(-1)]))
+        return (both[: len(x)] + both[len(x):]) / 2
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
         """Accuracy, loss and confusion matrix of (x (B, 1, 28, 28) float32, y (B,) int64[, indices (B,)])."""
