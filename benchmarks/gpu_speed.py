@@ -1,14 +1,15 @@
 """The GPU speed benchmark: the application's training step against a bare PyTorch loop, the host syncs inside
 the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over three seeds; then the goal table.
 
-    python -m benchmarks.gpu_speed                 # needs a CUDA GPU; Fashion-MNIST under data/; about 5 minutes
+    python -m benchmarks.gpu_speed                 # needs a CUDA GPU; Fashion-MNIST under data/; about 8 minutes
     python -m benchmarks.gpu_speed --epochs 0 --seeds        # the step rows only (about 1.5 minutes)
     python -m benchmarks.gpu_speed --recipe="--data.batch_size 512 --trainer.max_epochs 16"   # another recipe
     python -m benchmarks.gpu_speed --profile prof  # and a host profile and a torch.profiler table per row
 
-1. For ResNet-18 (configs/resnet18_gpu.yaml: bf16-mixed, channels_last, batch 256), the same with ours on
-   [cuda:0, cuda:0], and LeNet (configs/lenet.yaml on the GPU: float32, channels_last, batch 64, with the
-   non-finite check and without), alternated rounds of:
+1. For ResNet-18 (configs/resnet18_gpu.yaml: bf16-mixed, channels_last, batch 256), the same compiled into CUDA
+   graphs (`compile_mode: reduce-overhead`, the bare loop compiled alike), the same with ours on [cuda:0, cuda:0],
+   and LeNet (configs/lenet.yaml on the GPU: float32, channels_last, batch 64, with the non-finite check,
+   without, and in CUDA graphs), alternated rounds of:
 
    * **app**: the real CLI run (`python -m src.cli fit` in this process, every callback of configs/defaults.yaml),
      timed over a window of training steps after warm-up: the GPU is drained at the window's start and end
@@ -22,8 +23,9 @@ the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over 
    counted and named.
 2. configs/resnet18_gpu.yaml for `--epochs` epochs: the median training seconds of an epoch after the first
    (validation excluded), and what the first took beyond that (cuDNN's autotuning, compilation).
-3. The GPU recipe (configs/resnet18_gpu.yaml with the `--recipe` overrides) once per seed: test accuracy of the
-   best validation checkpoint, and training seconds with the first epoch's one-off cost apart.
+3. The GPU recipe (configs/resnet18_gpu.yaml with the `--recipe` overrides, by default the overlay
+   configs/fast_gpu.yaml) once per seed: test accuracy of the best validation checkpoint, training seconds with
+   the first epoch's one-off cost (compilation) apart, and the median epoch after the first.
 
 Prints the tables and the goal table; ratios compare runs of the same process only.
 """
@@ -217,7 +219,7 @@ CASES = {
 
 # The GPU recipe whose accuracy the benchmark measures: the shipped GPU config with these overrides (a candidate
 # until its accuracy is measured; `--recipe` replaces it)
-RECIPE = ["--data.batch_size", "1024", "--trainer.max_epochs", "20", "--model.init_args.tta_flip", "true"]
+RECIPE = ["--config", "configs/fast_gpu.yaml"]
 GPU_CONFIG = "configs/resnet18_gpu.yaml"
 
 
@@ -304,6 +306,9 @@ def goal_table(steps: dict, epochs, runs) -> list[str]:
         lines.append(_goal("ResNet-18 recipe training time, slowest seed (s; warm-up apart)", worst_s, 30,
                            f"{worst_s:.1f} s (first epochs' extra "
                            f"{', '.join(f'{r.first_epoch_extra_s:.1f}' for r in runs)} s)"))
+        epoch = statistics.median(r.steady_epoch_s for r in runs)
+        lines.append(_goal("ResNet-18 recipe epoch, median over seeds of the median after the first (s)", epoch, 1.0,
+                           f"{epoch:.2f} s ({', '.join(f'{r.steady_epoch_s:.2f}' for r in runs)})"))
     return lines
 
 
@@ -331,7 +336,12 @@ def main() -> None:
     lines, steps = step_rows(args, root)
     print("\n".join(lines), flush=True)
     epochs = gpu_runs.epoch_time(GPU_CONFIG, args.epochs, root) if args.epochs else None
-    runs = gpu_runs.accuracy(GPU_CONFIG, args.recipe, args.seeds, root) if args.seeds else []
+    runs = []
+    for seed in args.seeds:   # one at a time, each printed as it ends
+        [run] = gpu_runs.accuracy(GPU_CONFIG, args.recipe, [seed], root)
+        runs.append(run)
+        print(f"# seed {seed}: test acc {run.test_acc}, training {run.training_s:.1f} s, epochs after the first "
+              f"{run.steady_epoch_s:.2f} s (median), first epoch's extra {run.first_epoch_extra_s:.1f} s", flush=True)
     print(f"\n# the recipe: {GPU_CONFIG} {' '.join(args.recipe)}; seeds {args.seeds}")
     print("\n".join(goal_table(steps, epochs, runs)))
 

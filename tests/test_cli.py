@@ -7,8 +7,10 @@ import torch
 
 from src.cli import main
 
-# experiments; defaults.yaml is read before every run and profile.yaml is an overlay (tests/test_timeline.py)
-CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name not in ("defaults.yaml", "profile.yaml"))
+# experiments; defaults.yaml is read before every run, profile.yaml (tests/test_timeline.py) and fast_gpu.yaml (below)
+# are overlays
+OVERLAYS = ("defaults.yaml", "profile.yaml", "fast_gpu.yaml")
+CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name not in OVERLAYS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -19,6 +21,22 @@ def test_config_fits_and_tests(config, fast_args, tmp_path):
     assert (run / "config.yaml").is_file()
     assert list(run.glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_the_fast_gpu_recipe_stacks_on_the_gpu_config(fast_args, tmp_path):
+    """configs/fast_gpu.yaml on configs/resnet18_gpu.yaml: its model and data settings reach the run, the rest of
+    the GPU config stays. On the CPU, with torch.compile's quick aot_eager backend (no code generation) and a small
+    batch: what CUDA graphs do on a GPU is measured by benchmarks/gpu_speed.py."""
+    import yaml
+
+    main(["fit", "--config", "configs/resnet18_gpu.yaml", "--config", "configs/fast_gpu.yaml", *fast_args,
+          "--trainer.limit_train_batches", "2", "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+          "--model.init_args.compile_backend", "aot_eager"])
+    saved = yaml.safe_load(next((tmp_path / "logs").glob("*/*/version_0/config.yaml")).read_text())
+    model = saved["model"]["init_args"]
+    assert saved["model"]["class_path"].endswith("ResNet18Classifier")
+    assert (model["compile"], model["compile_mode"], model["tta_flip"]) == (True, "reduce-overhead", True)
+    assert (model["lr"], model["nesterov"], model["label_smoothing"]) == (0.1, True, 0.1)   # the GPU config's
 
 
 def test_run_dir_has_the_scalars_users_look_for(fast_args, tmp_path):

@@ -56,7 +56,9 @@ class ImageClassifier(pl.LightningModule):
             batch 64 no gain. One-off compile of 10-30 seconds per graph (training, evaluation, and once more
             for the first batch of another size), cached on disk for later runs. Checkpoints are unchanged
             (the parameters stay under `net.`), so a run may be resumed with it on or off.
-        compile_mode: `torch.compile` mode: "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune".
+        compile_mode: `torch.compile` mode: "default", "reduce-overhead" (CUDA graphs on a GPU: a forward and
+            a backward are one graph replay each) or "max-autotune". With "reduce-overhead" every batch shape
+            gets a graph of its own (static shapes), so an epoch's smaller last batch compiles once more.
         compile_backend: `torch.compile` backend: "inductor" (generates fused kernels), or "aot_eager" (traces
             forward and backward without generating code: for checking that a model compiles, quickly).
         tta_flip: Test-time augmentation: validation, test and predict use the mean of the logits of each image
@@ -138,7 +140,12 @@ class ImageClassifier(pl.LightningModule):
         compiled = self.__dict__.get("_compiled_net")
         if compiled is None:
             # Held outside the registered submodules: state_dict keeps its keys and .to() moves self.net only.
-            compiled = torch.compile(self.net, mode=self.hparams.compile_mode, backend=self.hparams.compile_backend)
+            # CUDA graphs replay fixed shapes. By default torch.compile builds a shape-generic graph once a second
+            # batch size appears, and since it tries its most recently used graph first, that one would then
+            # serve the main batch size too: static graphs keep one graph, and its kernels, per batch size.
+            static = self.hparams.compile_mode == "reduce-overhead"
+            compiled = torch.compile(self.net, mode=self.hparams.compile_mode, backend=self.hparams.compile_backend,
+                                     dynamic=False if static else None)
             self.__dict__["_compiled_net"] = compiled
         return compiled
 
