@@ -63,6 +63,11 @@ def _drain() -> None:
         torch.cuda.synchronize()
 
 
+def _is_disclaimer(message: str) -> bool:
+    """torch's one-off note when the sync debug mode is first switched on in a process, which is not a sync."""
+    return message.startswith("Synchronization debug mode is a prototype feature")
+
+
 class _ProbeEnd(pl.Callback):
     """Appended after every other callback: ends the sync probe once all their `on_train_batch_end` hooks ran."""
 
@@ -99,7 +104,7 @@ class Window(pl.Callback):
             self._catch.__exit__(None, None, None)
             self._catch = None
             type(self).syncs = [str(w.message).split("\n")[0][:90] for w in self._caught
-                                if "synchroniz" in str(w.message)]
+                                if "synchroniz" in str(w.message) and not _is_disclaimer(str(w.message))]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step

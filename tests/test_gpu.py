@@ -265,3 +265,19 @@ def test_the_two_gpu_overlays_train(tiny_data_dir, tmp_path, overlay, folder):
                           cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "logs" / "lenet" / folder / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_the_fast_recipe_trains_in_cuda_graphs(tiny_data_dir, tmp_path):
+    """configs/fast_gpu.yaml on the GPU config: the network runs as CUDA graphs (torch.compile's reduce-overhead),
+    none skipped, through two epochs with their smaller last batches, validation with flip TTA, and the test."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    cli = main(["fit", "--config", "configs/resnet18_gpu.yaml", "--config", "configs/fast_gpu.yaml",
+                *cli_args.data_args(tiny_data_dir, batch_size=64), *cli_args.trainer_args(tmp_path, max_epochs=2),
+                "--test_after_fit", "true"])
+    assert cli.model.hparams.compile_mode == "reduce-overhead" and cli.model.hparams.tta_flip
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0   # graphs were recorded
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert all(torch.isfinite(p).all() for p in cli.model.parameters())
+    assert 0.0 <= float(cli.trainer.callback_metrics["test/acc"]) <= 1.0
