@@ -192,6 +192,15 @@ DEVICES: dict[str, DevicePreset] = {d.name: d for d in [
                  "https://www.nvidia.com/en-us/data-center/h100/",
                  {"LeNetClassifier": (256, 4.63e-3, f"float32; {_GPU_CHECK}"),
                   "ResNet18Classifier": (256, 10.96e-3, f"bf16-mixed; {_GPU_CHECK}")}),
+    # the H100's Hopper chip with more and faster memory (141 GB HBM3e); its ResNet-18 step measured here,
+    # LeNet's left to the scaling rule (a LeNet step on a GPU is almost all host overhead)
+    DevicePreset("h200", "NVIDIA H200 SXM, bf16 dense tensor cores", 989e12,
+                 "NVIDIA H200 datasheet (989 TFLOPS bf16 dense, as the H100), "
+                 "https://www.nvidia.com/en-us/data-center/h200/",
+                 {"ResNet18Classifier": (256, 12.73e-3, "bf16-mixed, configs/resnet18_gpu.yaml; measured: python "
+                                         "-m benchmarks.gpu_speed on one H200, 2026-11-26, the CLI's step, median "
+                                         "of 2 rounds of 100 steps (benchmarks/README.md, 'A fast recipe on one "
+                                         "GPU')")}),
     DevicePreset("a100", "NVIDIA A100 SXM4, bf16 dense tensor cores", 312e12,
                  "NVIDIA A100 datasheet (312 TFLOPS bf16 dense), https://www.nvidia.com/en-us/data-center/a100/",
                  {}),
@@ -238,6 +247,9 @@ HARDWARE: dict[str, HardwarePreset] = {h.name: h for h in [
     HardwarePreset("a100-pcie4", "a100", "pcie4", "ib-hdr", 8),
     HardwarePreset("a100-nvlink", "a100", "nvlink-a100", "ib-hdr", 8),
     HardwarePreset("h100-nvlink", "h100", "nvlink-h100", "ib-ndr", 8),
+    HardwarePreset("h200-nvlink", "h200", "nvlink-h100", "ib-ndr", 8, None,
+                   "8 H200 SXM on NVLink 4 (900 GB/s per GPU, as the H100 SXM5: "
+                   "https://www.nvidia.com/en-us/data-center/h200/), 400 Gb/s InfiniBand NDR"),
     HardwarePreset("dgx1-v100", "v100", "nvlink-v100", "ib-edr", 8, 4,
                    "NVIDIA DGX-1 with Tesla V100: 8 V100 SXM2 in a hybrid cube-mesh of NVLink 2, 4 x 100 Gb/s "
                    "InfiniBand EDR (https://www.nvidia.com/en-us/data-center/dgx-1/)"),
