@@ -250,6 +250,7 @@ def test_the_epoch_line_names_our_compression_and_its_bytes():
     assert _compression_bytes(ours) is None  # before the first step: no exchange yet
     powersgd = CompressionSpec("powersgd", rank=2, warmup_steps=0).make(2, _wire_bytes)
     powersgd.begin_step()
-    ours.exchange = SimpleNamespace(compression=powersgd, bytes_sent=[700, 0], bytes_uncompressed=[4000, 0])
+    exchange = SimpleNamespace(compression=powersgd, bytes_sent=[700, 0], bytes_uncompressed=[4000, 0])
+    ours.group = SimpleNamespace(exchange=exchange)  # the replicas' exchange after a step
     assert _compression_bytes(ours) == ("PowerSGD rank 2", 700, 4000)
     assert _compression_bytes(SingleDeviceStrategy("cpu")) is None

@@ -56,12 +56,12 @@ def test_split_weights_checked_against_all_replicas(tiny_data_dir):
 def test_more_gpus_than_the_node_has_is_refused(monkeypatch):
     from src.strategies.limits import check_layout
 
-    strategy = SplitAllreduceStrategy(replicas_per_process=2)
-    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]  # trainer.devices: 2 on gpu
+    assigned = [torch.device("cuda", 0), torch.device("cuda", 1)]  # trainer.devices: 2 on gpu
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a 2-GPU machine, whatever this one has
     with pytest.raises(ValueError, match=r"2 processes per node .* x replicas_per_process 2 = 4 GPUs, but this "
                                          r"machine has 2"):
-        check_layout(strategy, None)  # no devices listed: each process takes its own GPUs
+        # 2 processes of 2 replicas, no devices listed: each process takes its own GPUs
+        check_layout(processes=2, world_size=2, k=2, split_weights=None, explicit=None, assigned=assigned)
 
 
 def test_unknown_algorithm_and_buffer_mode():

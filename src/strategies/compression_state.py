@@ -18,13 +18,15 @@ What a resume does with it (one line says which, on rank 0):
   `src.cli`).
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from src.strategies.comm.compression import Compression
+from src.strategies.comm.compression import Compression, CompressionSpec
 
 KEY = "gradient_compression"
 
@@ -98,3 +100,51 @@ def _summed(by_rank: list[dict[int, Tensor]]) -> dict[int, Tensor]:
 def describe(state: dict[str, Any]) -> str:
     """A saved compression state in words: "PowerSGD rank 2" or "bf16"."""
     return f"PowerSGD rank {state.get('rank')}" if state.get("method") == "powersgd" else str(state.get("method"))
+
+
+class CheckpointedCompression:
+    """The compression of one strategy's exchange between processes over a run: made anew at each train start from
+    its spec, with the state of a resumed checkpoint, and saved into every full checkpoint.
+
+    Args:
+        spec: The checked settings (`compression`, `powersgd_rank`, ... of the strategy).
+    """
+
+    def __init__(self, spec: CompressionSpec) -> None:
+        self.spec = spec
+        self.active: Compression | None = None  # kept while the exchange is made again within a fit
+        self._saved: dict[str, Any] | None = None  # a resumed checkpoint's state ({}: none in it)
+
+    def keep_saved(self, checkpoint: dict[str, Any]) -> None:
+        """Hold a loaded checkpoint's state until the next `start`."""
+        self._saved = checkpoint.get(KEY, {})
+
+    def start(self, world_size: int, rank: int, device: torch.device,
+              wire_bytes: Callable[[int, int], int] | None) -> None:
+        """Make the compression for `world_size` processes (none with one process, where it would change nothing:
+        a line says so), then restore the held checkpoint state into it as the module docstring says.
+
+        Args:
+            world_size: P.
+            rank: This process's rank.
+            device: Where its state lives (replica 0's device).
+            wire_bytes: Bytes this process sends to allreduce a buffer of (numel, element size in bytes) between
+                processes (None with one process).
+        """
+        self.active = None
+        name = self.spec.name
+        if name != "none" and world_size == 1:
+            rank_zero_info(f"split_allreduce: compression {name} has no effect with one process "
+                           "(the exchange among a process's replicas stays exact)")
+        if name != "none" and world_size > 1:
+            self.active = self.spec.make(world_size, wire_bytes)
+        saved, self._saved = self._saved, None
+        line = restore_state(self.active, saved, world_size, rank, device)
+        if line:
+            rank_zero_info(line)
+
+    def add_to(self, checkpoint: dict[str, Any], world_size: int) -> None:
+        """Put every process's state into a full checkpoint (a collective: all ranks call it); a weights-only
+        checkpoint gets none."""
+        if self.active is not None and "optimizer_states" in checkpoint:
+            checkpoint[KEY] = gather_state(self.active, world_size)

@@ -5,7 +5,6 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.run.lightning_compat import sync_batchnorm_requested
 from src.sharding import check_split_weights, replicas_text
 from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, IN_PROCESS, check_choice
 from src.strategies.replicate import check_buffer_mode
@@ -32,27 +31,30 @@ def check_options(devices: list[str] | None, replicas_per_process: int, allreduc
         raise ValueError("need bucket_cap_mb > 0, auto_split_steps >= 2 and check_sync_every >= 0")
 
 
-def check_layout(strategy: "pl.strategies.Strategy", explicit: list[torch.device] | None) -> None:
+def check_layout(processes: int, world_size: int, k: int, split_weights: list[float] | str | None,
+                 explicit: list[torch.device] | None, assigned: list[torch.device] | None) -> None:
     """P processes x K replicas must fit the machine (on GPUs, the processes of a node must not share GPUs), and
     `split_weights` must have one entry per replica of the job.
 
     Args:
-        strategy: The split_allreduce strategy (its processes, replicas, weights and assigned devices).
+        processes: Processes per node (`trainer.devices`).
+        world_size: P, the processes of the job.
+        k: Replicas per process.
+        split_weights: The strategy's `split_weights`.
         explicit: The `devices` the config listed, or None.
+        assigned: The devices Lightning assigned to the node's processes (None: none yet).
 
     Raises:
         ValueError: Explicit CUDA `devices` with several processes per node (each would take the same GPUs),
             more GPUs asked for (processes per node x replicas_per_process) than the machine has, or split_weights
             of another length than P x K; the message names the fix.
     """
-    processes, k = strategy.num_processes, strategy.replicas_per_process
-    check_split_weights(strategy.split_weights, strategy.total_replicas, replicas_text(strategy.world_size, k))
+    check_split_weights(split_weights, world_size * k, replicas_text(world_size, k))
     if explicit is not None and processes > 1 and any(d.type == "cuda" for d in explicit):
         raise ValueError(f"devices {[str(d) for d in explicit]} lists GPUs, and every one of the {processes} processes "
                          "per node (trainer.devices) would take the same ones. Drop devices and set "
                          f"replicas_per_process: {k} (local process p then takes cuda:p*{k} .. cuda:p*{k}+{k - 1}), "
                          "or run one process (trainer.devices: 1)")
-    assigned = strategy.parallel_devices or []
     if explicit is None and k > 1 and assigned and assigned[0].type == "cuda":
         present = torch.cuda.device_count()
         if processes * k > present:
@@ -61,20 +63,27 @@ def check_layout(strategy: "pl.strategies.Strategy", explicit: list[torch.device
                              "replicas_per_process so that their product is at most the GPUs present")
 
 
-def check_trainer_setup(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy") -> None:
+def check_trainer_setup(trainer: "pl.Trainer", precision: "pl.plugins.Precision", sync_batchnorm: bool,
+                        split_weights: list[float] | str | None) -> None:
     """Manual optimization, fp16 with a gradient scaler and `sync_batchnorm` with `split_weights: auto` are not
     supported (the replicas of a synchronised step wait for each other, so their times cannot be told apart).
+
+    Args:
+        trainer: The Trainer being set up (its module and stage).
+        precision: The strategy's precision plugin.
+        sync_batchnorm: Whether `trainer.sync_batchnorm` is on.
+        split_weights: The strategy's `split_weights`.
 
     Raises:
         RuntimeError: Naming the setting and what to use instead.
     """
-    if trainer.state.fn == TrainerFn.FITTING and not strategy.lightning_module.automatic_optimization:
+    if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
         raise RuntimeError("split_allreduce supports automatic optimization only: with manual optimization "
                            "every replica would step the optimizer itself. Set automatic_optimization=True.")
-    if isinstance(strategy.precision_plugin, MixedPrecision) and strategy.precision_plugin.scaler is not None:
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
                            "bf16-mixed or 32-true")
-    if sync_batchnorm_requested(strategy) and strategy.split_weights == "auto":
+    if sync_batchnorm and split_weights == "auto":
         raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
                            "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "
                            "BatchNorm layer); give split_weights as numbers or leave them equal")

@@ -97,7 +97,7 @@ def copy_hyperparameters_(source: torch.optim.Optimizer, target: torch.optim.Opt
 
     Raises:
         ValueError: If the two have different numbers of param groups (the copy was cloned before a group was
-            added or removed; `src.strategies.follow.Replica0Watch` makes the strategy clone it again first).
+            added or removed; `src.strategies.replica_set.Replica0Watch` makes the strategy clone it again first).
     """
     for src, dst in zip(source.param_groups, target.param_groups, strict=True):
         for key, value in src.items():

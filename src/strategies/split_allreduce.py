@@ -9,7 +9,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
@@ -18,27 +17,20 @@ from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
-from src.strategies.comm.compression import CompressionSpec
+from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
-from src.strategies.compression_state import KEY as COMPRESSION_KEY, gather_state, restore_state
 from src.strategies.comm.vocabulary import exchange_name
-from src.strategies.devices import local_replica_devices, parse_devices
-from src.strategies.follow import FollowOncePerStep, Replica0Watch
-from src.strategies.limits import check_layout, check_one_optimizer, check_options, check_trainer_setup
-from src.strategies.lockstep import SyncGroup, lockstep_apply
-from src.strategies.parallel_apply import parallel_apply
-from src.strategies.process_sync import count_global_batch, gather_rates, sync_all_buffers_
-from src.strategies.processes import ProcessesParallelStrategy
-from src.strategies.replica_access import ReplicaAccess
-from src.strategies.replicate import (clone_optimizer, copy_parameters_, make_replicas, merge_metrics_, metric_pairs,
-                                     step_other_replicas_)
+from src.strategies.compression_state import CheckpointedCompression
+from src.strategies.replica_set import FollowOncePerStep
+from src.strategies.limits import check_layout, check_options, check_trainer_setup
+from src.strategies.process_sync import count_global_batch, gather_rates
+from src.strategies.replicated import ReplicatedStrategy
 from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
-from src.strategies.sync_batchnorm import convert_, revert_
 from src.timeline.labels import phase
 
 
-class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
+class SplitAllreduceStrategy(ReplicatedStrategy):
     """Data parallelism by hand: P processes (`trainer.devices` per node x `trainer.num_nodes`), each holding K
     model replicas (`devices` or `replicas_per_process`), every global batch split across all P x K of them.
 
@@ -107,45 +99,29 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
                  compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
                  powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
-        super().__init__(process_group_backend, timeout, start_method)
-        # checked here, once; made at setup, when the world size is known
-        self.compression_spec = CompressionSpec(compression, powersgd_rank, powersgd_warmup_steps, error_feedback,
-                                                warm_start, min_compression_rate)
-        self._saved_compression: dict | None = None  # a resumed checkpoint's compression state ({}: none in it)
+        super().__init__(devices, replicas_per_process, process_group_backend, timeout, start_method)
+        # checked here, once; made at train start, when the world size is known
+        self._compression = CheckpointedCompression(CompressionSpec(
+            compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
         check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,
                       bucket_cap_mb, auto_split_steps, check_sync_every)
-        self._devices = parse_devices(devices) if devices is not None else None
-        self.replicas_per_process = len(devices) if devices is not None else replicas_per_process
         self.algorithm, self.process_algorithm = allreduce, process_allreduce
         self.sync_buffers_mode, self.split_weights, self._shares = sync_buffers, split_weights, None
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.check_sync_every, self.log_grad_norms, self.overlap = check_sync_every, log_grad_norms, overlap
         self.auto_split_steps, self.auto_split = auto_split_steps, None  # an AutoSplit while `auto` measures
-        self.replicas, self._replica_optimizers, self._metric_pairs = [], [], []
-        self.exchange: GradientExchange | None = None  # made at train start, once the optimizer is restored
-        self.compression = None  # made at train start (`compression`), kept when the exchange is made again
-        self._watch: Replica0Watch | None = None  # what the copies and the exchange were built from (train start)
-        self._follow = FollowOncePerStep(self._follow_replica0)
-        self.sync_group: SyncGroup | None = None  # the replicas' synchronised BatchNorm layers (sync_batchnorm)
+        self._follow = FollowOncePerStep(self._follow_replica0)  # a bound method: spawn pickles the strategy
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
 
     @property
-    def replica_devices(self) -> list[torch.device]:
-        """The device of each of this process's replicas, replica 0 first."""
-        if self._devices is not None:
-            return list(self._devices)
-        return local_replica_devices(self.parallel_devices, self.local_rank, self.replicas_per_process)
+    def compression(self) -> Compression | None:
+        """The compression of the exchange between processes (None: exact, or one process), made at train start."""
+        return self._compression.active
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """Local replica 0's device."""
-        return self.replica_devices[0]
-
-    @property
-    def total_replicas(self) -> int:
-        """P x K, the replicas of the whole job."""
-        return self.world_size * self.replicas_per_process
+    def check_replicas_in_sync(self) -> None:
+        """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
+        (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
+        self.group.check_in_sync(self.optimizer_steps)
 
     @property
     def shares(self) -> ReplicaShares:
@@ -164,128 +140,58 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             exchange_name(self.algorithm, self.process_algorithm, p, k),
             self.process_group_backend if p > 1 else None, self.split_weights, True,
             lambda: self.shares.rank_shares,
-            compression=self.compression_spec.tag if p > 1 else "none")
+            compression=self._compression.spec.tag if p > 1 else "none")
 
     @override
     def setup_environment(self) -> None:
         """Check the layout (devices, weights) against P x K, then start the process group when P > 1."""
-        check_layout(self, self._devices)
+        check_layout(self.num_processes, self.world_size, self.replicas_per_process, self.split_weights,
+                     self._devices, self.parallel_devices)
         super().setup_environment()
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Refuse what the strategy cannot do, then make the replicas (replicate)."""
-        check_trainer_setup(trainer, self)
-        replica0 = self.lightning_module
+        check_trainer_setup(trainer, self.precision_plugin, sync_batchnorm_requested(self), self.split_weights)
         super().setup(trainer)
-        self.replicas = make_replicas(replica0, self.replica_devices, trainer)
-        self._metric_pairs = [metric_pairs(replica0, r) for r in self.replicas[1:]]
-        if sync_batchnorm_requested(self) and self.data_parallel:
-            self.sync_group = convert_(self.replicas, across_processes=self.multi_process)
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.replicas_per_process, self.auto_split_steps)
-
-    @property
-    def data_parallel(self) -> bool:
-        """Whether batches are split and gradients exchanged by this strategy (several replicas anywhere)."""
-        return self.total_replicas > 1
 
     @override
     def on_train_start(self) -> None:
         """Copy the optimizer to every replica (after a checkpoint's state was restored) and make the exchange; every
-        step then carries to them what callbacks changed on replica 0 since (`_follow_replica0`)."""
+        step then carries to them what callbacks changed on replica 0 since (`ReplicaSet.follow`)."""
         if not self.data_parallel:
             return
-        self._watch = Replica0Watch(self.replicas)  # anew: the lr finder runs the fit loop, then fit runs it again
-        self._make_compression()
-        self._follow_replica0()
-
-    def _make_compression(self) -> None:
-        """The compression of the exchange between processes, anew, with a resumed checkpoint's state."""
-        self.compression = None
-        name = self.compression_spec.name
-        if name != "none" and not self.multi_process:
-            rank_zero_info(f"split_allreduce: compression {name} has no effect with one process "
-                           "(the exchange among a process's replicas stays exact)")
-        if name != "none" and self.multi_process:
-            self.compression = self.compression_spec.make(self.world_size,
-                                                          world_allreduce(self.process_algorithm).wire_bytes)
-        saved, self._saved_compression = self._saved_compression, None
-        line = restore_state(self.compression, saved, self.world_size, self.global_rank, self.root_device)
-        if line:
-            rank_zero_info(line)
+        wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
+        self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
+        self.group.start(self.optimizers)  # anew: the lr finder runs the fit loop, then fit runs it again
 
     def _follow_replica0(self) -> None:
-        """Before the replicas' forward pass: carry to the other replicas what callbacks and hooks changed on
-        replica 0 since the last step (`src.strategies.follow`). New `requires_grad` flags go to every replica and
-        the exchange is made again (its overlap hooks sit on the parameters that require a gradient); another
-        optimizer, new param groups or a loaded optimizer state make every replica clone the optimizer again.
+        self.group.follow(self.optimizers)
 
-        Raises:
-            RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
-                optimizer holding a tensor that is not a parameter of the module.
-        """
-        check_one_optimizer(self.optimizers)
-        watch, optimizer = self._watch, self.optimizers[0]
-        watch.check_parameters()
-        if watch.follow_trainable() or self.exchange is None:
-            self._make_exchange()
-        if watch.optimizer_changed(optimizer, self._replica_optimizers):
-            self._clone_optimizer(optimizer)
-
-    def _make_exchange(self) -> None:
-        if self.exchange is not None:
-            self.exchange.remove()
+    def _new_exchange(self, params: list[list[torch.nn.Parameter]]) -> GradientExchange:
+        """The exchange of this strategy's settings over the replicas' parameters (`ReplicaSet`'s factory)."""
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # with several CPU processes, overlap runs the buckets' exchange beside backward (gloo's send and receive
         # mostly wait for the network); the GPU path keeps it in the hook, on the device's stream order
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
-        self.exchange = GradientExchange([list(r.parameters()) for r in self.replicas], self.algorithm,
-                                         self.bucket_cap_bytes, self.overlap, between, background, self.compression)
-
-    def _clone_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
-        replica0 = self.lightning_module
-        self._replica_optimizers = [clone_optimizer(optimizer, replica0, r) for r in self.replicas[1:]]
+        return GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between, background,
+                                self.compression)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's load, keeping the checkpoint's compression state for the start of training."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._saved_compression = checkpoint.get(COMPRESSION_KEY, {})  # {}: a checkpoint without it
+        self._compression.keep_saved(checkpoint)
         return checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add the compression's state (every process's error memory: a collective, so all ranks run it), then
         write on rank 0 as Lightning does. A weights-only checkpoint gets none."""
-        if self.compression is not None and "optimizer_states" in checkpoint:
-            checkpoint[COMPRESSION_KEY] = gather_state(self.compression, self.world_size)
+        self._compression.add_to(checkpoint, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load the checkpoint into replica 0, then copy it to every other replica."""
-        super().load_model_state_dict(checkpoint, strict=strict)
-        for replica in self.replicas[1:]:
-            replica.load_state_dict(self.lightning_module.state_dict(), strict=strict)
-
-    @override
-    def teardown(self) -> None:
-        """Remove the overlap hooks, make synchronised BatchNorm layers plain again and drop the replicas."""
-        if self.exchange is not None:
-            self.exchange.remove()
-        revert_(self.replicas)  # checkpoints and later stages see plain BatchNorm
-        self.replicas, self._replica_optimizers, self._metric_pairs, self.sync_group = [], [], [], None
-        self._watch = None  # the exchange stays, its hooks removed: bytes_sent and its buckets can be read after fit
-        super().teardown()
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Keep batches that will be split on the host: each shard goes straight to its own device."""
-        if self.data_parallel and not self.lightning_module.trainer.predicting:
-            return batch
-        return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_sizes(self, n: int) -> list[int]:
         """Shard sizes of this process's replicas for its part of a batch, `n` samples (sum n, none dropped).
@@ -305,16 +211,10 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         with phase("scatter"):
             shards = scatter(batch, sizes)
         timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
-        if self.sync_group is not None and step == "training_step":  # sync_batchnorm: replicas in lockstep
-            outputs = lockstep_apply(self.replicas, self.replica_devices, shards, sizes, step, args, kwargs,
-                                     self.sync_group, self.precision_plugin.train_step_context)
-        else:
-            outputs, seconds = parallel_apply(self.replicas, self.replica_devices, shards, sizes, step, args, kwargs,
-                                              timed=timed)
-            if timed:
-                self.auto_split.record(sizes, seconds)
-        for pairs in self._metric_pairs:
-            merge_metrics_(pairs)
+        outputs, seconds = self.group.run(step, shards, sizes, args, kwargs, self.precision_plugin.train_step_context,
+                                          timed)
+        if timed:
+            self.auto_split.record(sizes, seconds)
         return list(zip(sizes, outputs))
 
     @override
@@ -324,8 +224,8 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
             return super().training_step(*args, **kwargs)
         self._follow.before_forward()
         n = batch_size_of(args[0])  # with P > 1 the global batch's N is counted while the replicas run forward
-        total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.sync_group is not None,
-                                   agreement=self._watch.agreement_code(self.optimizers[0])) \
+        total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.group.sync_group is not None,
+                                   agreement=self.group.watch.agreement_code(self.optimizers[0])) \
             if self.multi_process else (lambda: n)
         with self.precision_plugin.train_step_context():
             results = self._run_replicas("training_step", args[0], args[1:], kwargs, n)
@@ -371,16 +271,8 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
                                      model, **kwargs)
         replica0 = self.lightning_module
-        check_one_optimizer(self.optimizers)
-        if self._watch.optimizer_changed(self.optimizers[0]):
-            # changed after the forward pass (e.g. a group added in on_before_optimizer_step): the copies cannot
-            # make replica 0's update, so the replicas take its result and clone its optimizer as it is now
-            copy_parameters_(self.replicas)
-            self._clone_optimizer(self.optimizers[0])
-        else:
-            clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping",
-                                                                                 replica0)
-            step_other_replicas_(optimizer, self.replicas, self._replica_optimizers, clipped)
+        clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", replica0)
+        self.group.step_others(self.optimizers, clipped)
         self._after_update()
         return out
 
@@ -388,7 +280,7 @@ class SplitAllreduceStrategy(ReplicaAccess, ProcessesParallelStrategy):
         """Sync buffers, count the step, fix an auto split when measured, check sync when due."""
         if any(True for _ in self.lightning_module.buffers()):
             with phase("sync buffers"):
-                sync_all_buffers_(self.replicas, self.sync_buffers_mode, self.multi_process)
+                self.group.sync_buffers(self.sync_buffers_mode)
         self.optimizer_steps += 1
         if self.split_weights == "auto":  # every process's rates, gathered so that all ranks fix the same shares
             gather = partial(gather_rates, rank=self.global_rank, world=self.world_size, device=self.root_device)
