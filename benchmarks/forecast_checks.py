@@ -27,7 +27,8 @@ import json
 import math
 from pathlib import Path
 
-from src.scaling.cost_model import Compute, Link, fit_line, predict_step, ring_allreduce_s
+from src.scaling.cost_fit import fit_line
+from src.scaling.cost_model import Compute, Job, Link, Links, predict_step, ring_allreduce_s
 from src.scaling.hardware import LINKS
 from src.scaling.network import inspect_network
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
@@ -72,8 +73,8 @@ def check_epoch(report: str, calibration: str, epoch_images: int) -> None:
                   "| not modelled (replicas in one process share its threads) | | |")
             continue
         link, _ = resolve_link(links[row["strategy"]], calibration)
-        p = predict_step("ring", int(row["devices"]), int(row["global_batch"]), "global", compute,
-                         net.gradient_bytes, 2, link, None, 0.0, net.buckets)
+        p = predict_step(Job("ring", int(row["devices"]), int(row["global_batch"]), "global", compute,
+                             net.gradient_bytes, 2, net.buckets), Links(link))
         predicted = math.ceil(epoch_images / p.global_batch) * p.step_s
         measured = float(row["sec_per_epoch"])
         goal = "met" if abs(predicted / measured - 1) <= 0.3 else "not met"
@@ -119,8 +120,8 @@ def check_d2l() -> None:
         t_step = one_gpu / steps
         fixed = t_step / 2 if name.startswith("LeNet, if") else overhead  # sensitivity to the assumption
         compute = Compute(fixed, (t_step - fixed) / 256)
-        two = predict_step("reduce_broadcast", 2, batch, mode, compute, net.gradient_bytes, 8, pcie3, None, 0.0,
-                           messages)
+        two = predict_step(Job("reduce_broadcast", 2, batch, mode, compute, net.gradient_bytes, 8, messages),
+                           Links(pcie3))
         predicted = math.ceil(60_000 / two.global_batch) * two.step_s
         print(f"| {name} | {one_gpu} | {published} | {predicted:.2f} | {one_gpu / predicted:.2f} "
               f"| {two.exchange_s * 1e3:.2f} | {two.compute_s * 1e3:.2f} |")

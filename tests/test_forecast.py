@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from src.scaling.cost_model import (ALGORITHMS, Compute, Link, allreduce_s, expected_max_normal, fit_alpha_beta,
-                                    fit_line, hierarchical_s, predict_step, reduce_broadcast_s, relative_errors,
-                                    ring_allreduce_s)
 from src.scaling.calibrate import _lab_links, write_lab_links
+from src.scaling.cost_fit import fit_alpha_beta, fit_line, relative_errors
+from src.scaling.cost_model import (ALGORITHMS, Compute, Job, Link, Links, allreduce_s, expected_max_normal,
+                                    hierarchical_s, predict_step, reduce_broadcast_s, ring_allreduce_s)
 from src.scaling.forecast import Paths, Question, main, predict
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, shaped
 from src.scaling.network import DDP_BUCKET_BYTES, inspect_network
@@ -109,20 +109,20 @@ def test_overhead_keeps_a_small_network_from_speeding_up_at_a_fixed_global_batch
     lenet_like = Compute(overhead_s=10e-3, seconds_per_image=1e-6)  # overhead dominates the step
     resnet_like = Compute(overhead_s=1e-3, seconds_per_image=200e-6)
     link = Link(10e-6, 1 / 15.75e9)
-    small = predict_step("reduce_broadcast", 2, 256, "global", lenet_like, 516_272, 8, link, None)
-    big = predict_step("reduce_broadcast", 2, 256, "global", resnet_like, 44_684_072, 8, link, None)
+    small = predict_step(Job("reduce_broadcast", 2, 256, "global", lenet_like, 516_272, 8), Links(link))
+    big = predict_step(Job("reduce_broadcast", 2, 256, "global", resnet_like, 44_684_072, 8), Links(link))
     assert small.speedup < 1.05 and big.speedup > 1.6
-    one = predict_step("ring", 1, 256, "per_device", resnet_like, 44_684_072, 8, link, None)
+    one = predict_step(Job("ring", 1, 256, "per_device", resnet_like, 44_684_072, 8), Links(link))
     assert one.exchange_s == 0 and one.efficiency == pytest.approx(1.0)
     # weak scaling: the global batch doubles, compute per replica stays, the exchange is added
-    two = predict_step("ring", 2, 256, "per_device", resnet_like, 44_684_072, 8, link, None)
+    two = predict_step(Job("ring", 2, 256, "per_device", resnet_like, 44_684_072, 8), Links(link))
     assert two.global_batch == 512 and two.compute_s == pytest.approx(one.compute_s)
     assert two.step_s == pytest.approx(one.step_s + two.exchange_s)
     # overlap hides part of the exchange, never more than the backward (2/3 of the images' compute)
-    hidden = predict_step("ring", 2, 256, "per_device", resnet_like, 44_684_072, 8, link, None, overlap=1.0)
+    hidden = predict_step(Job("ring", 2, 256, "per_device", resnet_like, 44_684_072, 8), Links(link), overlap=1.0)
     assert hidden.hidden_s == pytest.approx(min(two.exchange_s, 2 / 3 * 256 * 200e-6))
     with pytest.raises(ValueError, match="cannot be split"):
-        predict_step("ring", 512, 256, "global", resnet_like, 1000, 8, link, Link(0, 0))
+        predict_step(Job("ring", 512, 256, "global", resnet_like, 1000, 8), Links(link, Link(0, 0)))
 
 
 def test_inspect_network_counts_gradient_bytes_and_buckets():

@@ -57,6 +57,7 @@ def test_the_wheel_carries_the_calibration_and_runs_outside_the_checkout(tmp_pat
 
 @pytest.mark.parametrize("module, loads_torch", [
     ("src.scaling.cost_model", False),
+    ("src.scaling.cost_fit", False),
     ("src.scaling.hardware", False),
     ("src.strategies.comm.buckets", True),  # the probe's own check: a module that does import torch
 ])

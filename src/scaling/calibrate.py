@@ -6,7 +6,7 @@
 1. Allreduce: `src.scaling.allreduce_timing` (P processes on loopback gloo, each call from a barrier to the
    slowest process, median of `repeats`) over its size sweep (4 KiB to 64 MiB), for `dist.all_reduce` (what DDP
    uses) and our point-to-point ring; alpha and beta of each fitted by least squares on relative error
-   (`src.scaling.cost_model.fit_alpha_beta`, the ring's 2(P-1)·alpha + 2(P-1)/P·n·beta). The three sizes the
+   (`src.scaling.cost_fit.fit_alpha_beta`, the ring's 2(P-1)·alpha + 2(P-1)/P·n·beta). The three sizes the
    allreduce check judges (`CHECK_SIZES`: 64 KiB, LeNet's and ResNet-18's gradients) are timed and kept in the
    file but left out of the fit, so that the check tests sizes the fit has not seen.
 2. Compute: the experiment's LightningModule trained by the real Trainer on synthetic 28x28 images (the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from src.scaling.cost_model import fit_alpha_beta, fit_line, relative_errors
+from src.scaling.cost_fit import fit_alpha_beta, fit_line, relative_errors
 from src.scaling.sources import load_calibration
 
 # Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a

@@ -1,5 +1,9 @@
 """Time of one data-parallel optimizer step: compute + gradient exchange - the part of it hidden behind backward.
 
+The cost model's formulas: a replica's compute, each allreduce algorithm's time, the wait for the slowest
+of p ranks and the step that adds them up (`predict_step`). Fitting their parameters to measurements, and
+the range (optimistic to pessimistic) around a predicted step, are in `src.scaling.cost_fit`.
+
 Pure Python (math only), so it can be checked by hand and used without torch.
 
 The exchange follows the latency-bandwidth (alpha-beta-gamma) model of collective communication: a message of
@@ -19,7 +23,6 @@ is pure Python as well: importing this module loads neither torch nor Lightning.
 """
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -52,6 +55,21 @@ class Link:
     gamma: float = 0.0
 
 
+@dataclass(frozen=True)
+class Links:
+    """The links of one machine type: inside a node, one network port between nodes, ports per node.
+
+    Args:
+        intra: Link between the devices of a node.
+        inter: One network port (NIC) between nodes, or None for one node only.
+        nics: Network ports per node (None: one per device).
+    """
+
+    intra: Link
+    inter: Link | None = None
+    nics: int | None = None
+
+
 def _check(p: int, n: float) -> None:
     if p < 1:
         raise ValueError(f"device count must be >= 1, got {p}")
@@ -73,6 +91,9 @@ def ring_allreduce_s(p: int, n: float, link: Link) -> float:
 
     Returns:
         Seconds; 0 for p = 1.
+
+    Raises:
+        ValueError: p < 1 or n < 0.
     """
     _check(p, n)
     if p == 1:
@@ -97,6 +118,9 @@ def reduce_broadcast_s(p: int, n: float, link: Link) -> float:
 
     Returns:
         Seconds; 0 for p = 1.
+
+    Raises:
+        ValueError: p < 1 or n < 0.
     """
     _check(p, n)
     if p == 1:
@@ -124,6 +148,9 @@ def hierarchical_s(p: int, n: float, per_node: int, intra: Link, inter: Link) ->
 
     Returns:
         Seconds.
+
+    Raises:
+        ValueError: p < 1, n < 0 or per_node < 1.
     """
     _check(p, n)
     if per_node < 1:
@@ -160,7 +187,8 @@ def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, in
         Seconds.
 
     Raises:
-        ValueError: Unknown algorithm, p < 1, messages < 1, or p > per_node without an inter-node link.
+        ValueError: Unknown algorithm, p < 1, n < 0, messages < 1, nics < 1, or p > per_node without an
+            inter-node link.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -209,6 +237,34 @@ class Compute:
     def step_s(self, images: float) -> float:
         """Seconds for `images` images on one replica."""
         return self.overhead_s + images * self.seconds_per_image
+
+
+@dataclass(frozen=True)
+class Job:
+    """One data-parallel job whose step `predict_step` predicts: exchange, devices, batch, each replica's work.
+
+    The links, the overlap, the jitter and the sync overhead are not part of it: a range's three predictions
+    (`src.scaling.cost_fit.predict_band`) take one job with different values of those.
+
+    Args:
+        algorithm: "ring", "reduce_broadcast" or "hierarchical".
+        devices: Devices (replicas), >= 1.
+        batch_size: Per-device or global batch, images, per `batch_mode`.
+        batch_mode: "per_device" (weak scaling) or "global" (strong scaling).
+        compute: Per-replica compute model.
+        n_bytes: Gradient bytes per replica (parameters · 4 for float32 gradients).
+        per_node: Devices per node.
+        messages: Allreduce calls per step, each of n_bytes / messages bytes (see `allreduce_s`).
+    """
+
+    algorithm: str
+    devices: int
+    batch_size: int
+    batch_mode: str
+    compute: Compute
+    n_bytes: float
+    per_node: int
+    messages: int = 1
 
 
 @dataclass(frozen=True)
@@ -267,6 +323,9 @@ def expected_max_normal(p: int) -> float:
 
     Returns:
         The expectation (dimensionless).
+
+    Raises:
+        ValueError: p < 1.
     """
     if p < 1:
         raise ValueError(f"rank count must be >= 1, got {p}")
@@ -284,26 +343,17 @@ def expected_max_normal(p: int) -> float:
     return total * h / 3
 
 
-def predict_step(algorithm: str, devices: int, batch_size: int, batch_mode: str, compute: Compute, n_bytes: float,
-                 per_node: int, intra: Link, inter: Link | None, overlap: float = 0.0,
-                 messages: int = 1, nics: int | None = None, jitter: float = 0.0,
+def predict_step(job: Job, links: Links, overlap: float = 0.0, jitter: float = 0.0,
                  sync_overhead: float = 0.0) -> StepPrediction:
     """Predict one optimizer step: compute · (1 + sync + straggler) + exchange - min(overlap · exchange, backward).
 
     Args:
-        algorithm: "ring", "reduce_broadcast" or "hierarchical".
-        devices: Devices (replicas), >= 1.
-        batch_size: Per-device or global batch, per `batch_mode`.
-        batch_mode: "per_device" (weak scaling) or "global" (strong scaling).
-        compute: Per-replica compute model.
-        n_bytes: Gradient bytes per replica (parameters · 4 for float32 gradients).
-        per_node: Devices per node.
-        intra: Link inside a node.
-        inter: Link between nodes (None: one node only).
+        job: The algorithm, devices, batch, per-replica compute, gradient bytes, devices per node and allreduce
+            calls per step.
+        links: Link inside a node, one network port between nodes (None: one node only) and ports per node
+            (None: one per device); see `allreduce_s`.
         overlap: Share (0..1) of the exchange that can run during backward (buckets sent as soon as backward
             has produced them); the hidden time is also capped at the backward time, 2/3 of the compute.
-        messages: Allreduce calls per step (see `allreduce_s`).
-        nics: Network ports per node (see `allreduce_s`).
         jitter: Standard deviation of one rank's step time as a share of its mean (0.01 = 1%); with more than
             one device the step waits for the slowest rank, `expected_max_normal(devices)` · jitter · compute.
         sync_overhead: Share of the compute added to every step once devices > 1: the data-parallel wrapper's
@@ -311,182 +361,31 @@ def predict_step(algorithm: str, devices: int, batch_size: int, batch_mode: str,
             memory and input pipeline.
 
     Returns:
-        The prediction; speedup is throughput over one device's at the same per-device (weak) or global
-        (strong) batch, efficiency = speedup / devices.
+        The prediction, in seconds and images/s; speedup is throughput over one device's at the same per-device
+        (weak) or global (strong) batch, efficiency = speedup / devices.
 
     Raises:
         ValueError: Bad device count, overlap outside [0, 1], a negative jitter or overhead, batch mode or
             algorithm.
     """
+    devices, compute = job.devices, job.compute
     if devices < 1:
         raise ValueError(f"device count must be >= 1, got {devices}")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be between 0 and 1, got {overlap}")
     if jitter < 0 or sync_overhead < 0:
         raise ValueError(f"jitter and sync overhead must be >= 0, got {jitter} and {sync_overhead}")
-    batch = global_batch_for(batch_size, devices, batch_mode)
+    batch = global_batch_for(job.batch_size, devices, job.batch_mode)
     per_replica = batch / devices
     compute_s = compute.step_s(per_replica)
     if devices > 1:
         compute_s *= 1 + sync_overhead + jitter * expected_max_normal(devices)
-    exchange_s = allreduce_s(algorithm, devices, n_bytes, per_node, intra, inter, messages, nics)
+    exchange_s = allreduce_s(job.algorithm, devices, job.n_bytes, job.per_node, links.intra, links.inter,
+                             job.messages, links.nics)
     hidden_s = min(overlap * exchange_s, BACKWARD_SHARE * per_replica * compute.seconds_per_image)
     step_s = compute_s + exchange_s - hidden_s
-    single_batch = global_batch_for(batch_size, 1, batch_mode)
+    single_batch = global_batch_for(job.batch_size, 1, job.batch_mode)
     single_ips = single_batch / compute.step_s(single_batch)
     ips = batch / step_s
-    return StepPrediction(algorithm, devices, math.ceil(devices / per_node), batch, per_replica, compute_s,
+    return StepPrediction(job.algorithm, devices, math.ceil(devices / job.per_node), batch, per_replica, compute_s,
                           exchange_s, hidden_s, step_s, ips, ips / single_ips, ips / single_ips / devices)
-
-
-@dataclass(frozen=True)
-class Links:
-    """The links of one machine type: inside a node, one network port between nodes, ports per node.
-
-    Args:
-        intra: Link between the devices of a node.
-        inter: One network port (NIC) between nodes, or None for one node only.
-        nics: Network ports per node (None: one per device).
-    """
-
-    intra: Link
-    inter: Link | None = None
-    nics: int | None = None
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The terms the model cannot know for sure, each as (optimistic, pessimistic) values.
-
-    Args:
-        jitter: Standard deviation of one rank's step time as a share of its mean (see `predict_step`).
-        sync_overhead: Share of the compute added once devices > 1 (see `predict_step`).
-    """
-
-    jitter: tuple[float, float]
-    sync_overhead: tuple[float, float]
-
-    def mid(self) -> tuple[float, float]:
-        """(jitter, sync_overhead) halfway between the bounds."""
-        return sum(self.jitter) / 2, sum(self.sync_overhead) / 2
-
-
-@dataclass(frozen=True)
-class BandPrediction:
-    """A point prediction and the pessimistic and optimistic ends of its range (low <= point <= high)."""
-
-    point: StepPrediction
-    low: StepPrediction
-    high: StepPrediction
-
-
-def predict_band(algorithm: str, devices: int, batch_size: int, batch_mode: str, compute: Compute, n_bytes: float,
-                 per_node: int, achieved: Links, line: Links, overlap: float, messages: int,
-                 bounds: Bounds) -> BandPrediction:
-    """Predict one step three times: as expected, at the pessimistic end and at the optimistic end.
-
-    * point: links at their achieved bandwidth, `overlap` as given, jitter and sync overhead halfway between
-      their bounds;
-    * low (pessimistic): achieved links, no overlap, jitter and sync overhead at their upper bounds;
-    * high (optimistic): links at their line rate, full overlap (still capped at the backward time), jitter
-      and sync overhead at their lower bounds.
-
-    Every term is monotone in the step time, so low <= point <= high for images/s and efficiency; the range
-    widens with the device count because the expected slowest-of-p rank and the exchange both grow with it.
-
-    Args:
-        algorithm, devices, batch_size, batch_mode, compute, n_bytes, per_node, messages: As `predict_step`.
-        achieved: Links at the bandwidth collectives achieve (e.g. nccl-tests busbw).
-        line: The same links at their line rate (the upper bound of what they can move).
-        overlap: Share (0..1) of the exchange hidden behind backward for the point prediction.
-        bounds: The jitter and sync-overhead bounds.
-
-    Returns:
-        The three predictions.
-
-    Raises:
-        ValueError: As `predict_step`, or bounds with the optimistic value above the pessimistic one.
-    """
-    for name, (lo, hi) in (("jitter", bounds.jitter), ("sync overhead", bounds.sync_overhead)):
-        if not 0 <= lo <= hi:
-            raise ValueError(f"{name} bounds must satisfy 0 <= optimistic <= pessimistic, got ({lo}, {hi})")
-
-    def at(links: Links, share: float, jitter: float, sync: float) -> StepPrediction:
-        return predict_step(algorithm, devices, batch_size, batch_mode, compute, n_bytes, per_node, links.intra,
-                            links.inter, share, messages, links.nics, jitter, sync)
-
-    jitter, sync = bounds.mid()
-    return BandPrediction(at(achieved, overlap, jitter, sync),
-                          at(achieved, 0.0, bounds.jitter[1], bounds.sync_overhead[1]),
-                          at(line, 1.0, bounds.jitter[0], bounds.sync_overhead[0]))
-
-
-def fit_alpha_beta(samples: Sequence[tuple[int, float, float]], algorithm: str = "ring") -> tuple[float, float]:
-    """Least-squares alpha and beta from measured allreduce times, fitted on relative error.
-
-    Each sample is (p devices, n bytes, measured seconds). The model time is linear in (alpha, beta):
-    t = a(p)·alpha + b(p, n)·beta, with a = 2(p-1), b = 2(p-1)/p·n for the ring (b = 2(p-1)·n for
-    reduce_broadcast); gamma is folded into beta. Residuals are divided by the measured time, so that a 4 KiB
-    call counts as much as a 64 MiB one. If the unconstrained fit gives a negative parameter, that one is set
-    to 0 and the other refitted.
-
-    Args:
-        samples: (p, n bytes, seconds) triples, p >= 2, at least two distinct a/b ratios.
-        algorithm: "ring" or "reduce_broadcast" (the shape of the measured allreduce).
-
-    Returns:
-        (alpha seconds, beta seconds per byte).
-
-    Raises:
-        ValueError: Too few or degenerate samples.
-    """
-    rows = []
-    for p, n, t in samples:
-        if p < 2 or t <= 0:
-            raise ValueError(f"every sample needs p >= 2 and a positive time, got {(p, n, t)}")
-        a = 2 * (p - 1)
-        b = 2 * (p - 1) / p * n if algorithm == "ring" else 2 * (p - 1) * n
-        rows.append((a / t, b / t))  # weighted by 1 / t: the target becomes 1
-    saa = sum(a * a for a, _ in rows)
-    sbb = sum(b * b for _, b in rows)
-    sab = sum(a * b for a, b in rows)
-    sa = sum(a for a, _ in rows)
-    sb = sum(b for _, b in rows)
-    det = saa * sbb - sab * sab
-    if len(rows) < 2 or det <= 1e-12 * saa * sbb:
-        raise ValueError("need samples of at least two sizes (or device counts) to fit alpha and beta")
-    alpha = (sa * sbb - sb * sab) / det
-    beta = (saa * sb - sab * sa) / det
-    if alpha < 0:
-        alpha, beta = 0.0, sb / sbb
-    elif beta < 0:
-        alpha, beta = sa / saa, 0.0
-    return alpha, beta
-
-
-def relative_errors(samples: Sequence[tuple[int, float, float]], alpha: float, beta: float,
-                    algorithm: str = "ring") -> list[float]:
-    """(predicted - measured) / measured for each (p, n bytes, seconds) sample under alpha, beta."""
-    fn = ring_allreduce_s if algorithm == "ring" else reduce_broadcast_s
-    return [(fn(p, n, Link(alpha, beta)) - t) / t for p, n, t in samples]
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Ordinary least-squares line y = intercept + slope·x, e.g. step seconds against images per step.
-
-    Args:
-        points: (x, y) pairs with at least two distinct x.
-
-    Returns:
-        (intercept, slope).
-
-    Raises:
-        ValueError: Fewer than two distinct x.
-    """
-    xs = [x for x, _ in points]
-    if len(set(xs)) < 2:
-        raise ValueError("need at least two distinct x values to fit a line")
-    mx = sum(xs) / len(xs)
-    my = sum(y for _, y in points) / len(points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope

@@ -8,8 +8,9 @@
 Time per step = compute x (1 + sync overhead + slowest-rank jitter) + gradient exchange - the part of the
 exchange hidden behind backward (src/scaling/cost_model.py), with numbers from a hardware preset
 (src/scaling/hardware.py), the calibration file, published measurements (src/scaling/published.py) or the command
-line (src/scaling/sources.py). Each prediction is a range: efficiency_low and efficiency_high come from the
-bounds of the terms the model cannot know (jitter, sync overhead, overlap, achieved vs line-rate bandwidth).
+line (src/scaling/sources.py). Each prediction is a range (src/scaling/cost_fit.py): efficiency_low and
+efficiency_high come from the bounds of the terms the model cannot know (jitter, sync overhead, overlap, achieved
+vs line-rate bandwidth).
 Trains nothing and takes seconds. Writes forecast.md (table and every assumption, marked measured / published /
 assumed / user), forecast.csv and forecast.png (images/s and efficiency against devices with the range as a
 band, one line per algorithm, with the measured points of the newest scaling report of the same config on the
@@ -24,7 +25,8 @@ from typing import Literal
 import yaml
 
 from src.lab.spec import format_rate, parse_rate
-from src.scaling.cost_model import ALGORITHMS, BandPrediction, Bounds, Compute, Link, Links, predict_band
+from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
+from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, shaped
 from src.scaling.network import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
@@ -265,8 +267,8 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     def node_size(devices: int) -> int:
         return devices // question.nodes if question.nodes else per_node
 
-    bands = [predict_band(a, d, batch, question.batch_mode, compute, sent, node_size(d), achieved,
-                          line, overlap, messages, bounds) for a in question.algorithms for d in question.devices]
+    bands = [predict_band(Job(a, d, batch, question.batch_mode, compute, sent, node_size(d), messages), achieved,
+                          line, overlap, bounds) for a in question.algorithms for d in question.devices]
     custom = question.network_params is not None
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from src.scaling.cost_model import BandPrediction
+from src.scaling.cost_fit import BandPrediction
 
 
 @dataclass

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from src.scaling.cost_model import BandPrediction, Bounds, Compute, Links, predict_band
+from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
+from src.scaling.cost_model import Compute, Job, Links
 from src.scaling.hardware import HARDWARE, LINKS
 
 TABLE = Path(__file__).parent / "calibration" / "published_scaling.csv"
@@ -168,8 +169,9 @@ def predict_setting(s: Setting, bounds: Bounds) -> BandPrediction:
     per_node = s.per_node or HARDWARE[s.hardware].per_node
     n_bytes = s.parameters * s.grad_bytes
     messages = buckets_for(n_bytes)
-    return predict_band(s.algorithm, s.devices, s.batch_per_device, "per_device", Compute(0.0, 1.0 / s.images_per_s),
-                        n_bytes, per_node, achieved, line, 1.0 - 1.0 / messages, messages, bounds)
+    job = Job(s.algorithm, s.devices, s.batch_per_device, "per_device", Compute(0.0, 1.0 / s.images_per_s), n_bytes,
+              per_node, messages)
+    return predict_band(job, achieved, line, 1.0 - 1.0 / messages, bounds)
 
 
 def setting_of(row: Published) -> Setting:

@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.scaling.cost_model import Compute, Link, fit_line
+from src.scaling.cost_fit import fit_line
+from src.scaling.cost_model import Compute, Link
 from src.scaling.hardware import ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, link_names
 from src.scaling.network import Network, inspect_network
 
