@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from src.strategies.comm.allreduce import allreduce_
-from src.strategies.comm.buckets import allreduce_gradients_, bucket_indices
+from src.strategies.comm.gradient_exchange import allreduce_gradients_, bucket_indices
 
 
 def _buffers(k: int, n: int) -> list[torch.Tensor]:

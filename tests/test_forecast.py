@@ -136,11 +136,11 @@ def test_inspect_network_counts_gradient_bytes_and_buckets():
 
 
 def test_bucket_plan_is_the_strategy_s_and_ddp_s_for_float32():
-    """The plan comes from src.strategies.comm.buckets; for one dtype it is DDP's reverse-order fill."""
+    """The plan comes from src.strategies.comm.gradient_exchange; for one dtype it is DDP's reverse-order fill."""
     import torch
 
     from src.models.classifier import ResNet18Classifier
-    from src.strategies.comm.buckets import bucket_indices
+    from src.strategies.comm.gradient_exchange import bucket_indices
 
     params = [p for p in ResNet18Classifier().net.parameters() if p.requires_grad]
     ddp, current = [], 0  # DDP's fill, written out: reverse order, a new bucket when the next tensor overflows

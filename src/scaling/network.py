@@ -61,7 +61,7 @@ def custom_network(parameters: int, grad_bytes: int = 4, bucket_bytes: int = DDP
 def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
     """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
 
-    The buckets are those of `src.strategies.comm.buckets.bucket_indices` at `bucket_bytes`, the plan that
+    The buckets are those of `src.strategies.comm.gradient_exchange.bucket_indices` at `bucket_bytes`, the plan that
     split_allreduce exchanges and that matches DDP's for a network of one dtype.
 
     Args:
@@ -78,7 +78,7 @@ def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes
     import torch
     from torch import nn
 
-    from src.strategies.comm.buckets import bucket_indices
+    from src.strategies.comm.gradient_exchange import bucket_indices
 
     module_name, _, cls_name = class_path.rpartition(".")
     module = getattr(importlib.import_module(module_name), cls_name)(**(init_args or {}))

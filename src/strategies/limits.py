@@ -87,10 +87,3 @@ def check_trainer_setup(trainer: "pl.Trainer", precision: "pl.plugins.Precision"
         raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
                            "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "
                            "BatchNorm layer); give split_weights as numbers or leave them equal")
-
-
-def check_one_optimizer(optimizers: list) -> None:
-    """Raises RuntimeError unless there is exactly one optimizer (each replica steps its own copy of it)."""
-    if len(optimizers) != 1:
-        raise RuntimeError(f"split_allreduce steps one optimizer (every replica keeps its own copy of it), got "
-                           f"{len(optimizers)}: put all parameters into one optimizer, one param group per setting")

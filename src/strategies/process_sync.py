@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from src.sharding import check_enough_samples
-from src.strategies.comm.buckets import copy_back_, flatten
+from src.strategies.comm.gradient_exchange import copy_back_, flatten
 from src.strategies.replicate import ReplicaDesyncError, check_in_sync, sync_buffers_
 
 

@@ -2,14 +2,14 @@
 the metrics merged into replica 0's, synchronised BatchNorm, the gradient exchange and the watch over replica 0.
 `SplitAllreduceStrategy` owns one `ReplicaSet` per fit and calls it by the steps of its training step.
 
-Following replica 0. Callbacks and hooks act on replica 0 (the LightningModule the Trainer holds) and on its optimizer only. During fit
-they may add a param group (Lightning's `BaseFinetuning.unfreeze_and_add_param_group`), change a group's lr,
-momentum or weight decay (schedulers, `BackboneFinetuning`), freeze or unfreeze parameters (`requires_grad`), load
-an optimizer state (the lr finder's restore), or replace the optimizer (`trainer.strategy.optimizers = [...]`).
-The other replicas' `requires_grad` flags, their copies of the optimizer and the gradient exchange's overlap hooks
-are built from replica 0. `Replica0Watch` records what they were built from and, at every step, says what differs
-now, so the strategy rebuilds only that; rebuilding is exact because the replicas are bitwise equal between steps
-(replica 0's optimizer state is then every copy's state too).
+Following replica 0. Callbacks and hooks act on replica 0 (the LightningModule the Trainer holds) and on its
+optimizer only. During fit they may add a param group (Lightning's `BaseFinetuning.unfreeze_and_add_param_group`),
+change a group's lr, momentum or weight decay (schedulers, `BackboneFinetuning`), freeze or unfreeze parameters
+(`requires_grad`), load an optimizer state (the lr finder's restore), or replace the optimizer
+(`trainer.strategy.optimizers = [...]`). The other replicas' `requires_grad` flags, their copies of the optimizer
+and the gradient exchange's overlap hooks are built from replica 0. `Replica0Watch` records what they were built
+from and, at every step, says what differs now, so the strategy rebuilds only that; rebuilding is exact because
+the replicas are bitwise equal between steps (replica 0's optimizer state is then every copy's state too).
 
 Group settings (lr, momentum, ...) are not watched here: they are copied into every copy before every update.
 """
@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from src.strategies.comm.gradient_exchange import GradientExchange
-from src.strategies.limits import check_one_optimizer
 from src.strategies.lockstep import lockstep_apply
 from src.strategies.parallel_apply import parallel_apply
 from src.strategies.process_sync import check_all_in_sync, sync_all_buffers_
@@ -170,6 +169,13 @@ class FollowOncePerStep:
         if not self._followed:
             self._follow()
         self._followed = False
+
+
+def check_one_optimizer(optimizers: list) -> None:
+    """Raises RuntimeError unless there is exactly one optimizer (each replica steps its own copy of it)."""
+    if len(optimizers) != 1:
+        raise RuntimeError(f"split_allreduce steps one optimizer (every replica keeps its own copy of it), got "
+                           f"{len(optimizers)}: put all parameters into one optimizer, one param group per setting")
 
 
 class ReplicaSet:

@@ -2,7 +2,7 @@
 with error feedback (PowerSGD).
 
 Where it applies: to each bucket's exchange between processes, after the process's own replicas have summed it
-on replica 0 (`src.strategies.comm.buckets.allreduce_bucket_`). Replicas in one process share a host's memory
+on replica 0 (`src.strategies.comm.gradient_exchange.allreduce_bucket_`). Replicas in one process share a host's memory
 or a GPU box's links, where bytes are cheap and every approximation would cost accuracy for nothing, so the
 exchange among them stays exact.
 
