@@ -138,9 +138,8 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
         return ParallelLayout(
             "split_allreduce", p, k, tuple(self.replica_devices), tuple(self.parallel_devices or [self.root_device]),
             exchange_name(self.algorithm, self.process_algorithm, p, k),
-            self.process_group_backend if p > 1 else None, self.split_weights, True,
-            lambda: self.shares.rank_shares,
-            compression=self._compression.spec.tag if p > 1 else "none")
+            self.process_group_backend if p > 1 else None, self.split_weights, splits_any_batch=True,
+            _shares=lambda: self.shares.rank_shares, compression=self._compression.spec.tag if p > 1 else "none")
 
     @override
     def setup_environment(self) -> None:
