@@ -199,8 +199,8 @@ DEVICES: dict[str, DevicePreset] = {d.name: d for d in [
                  "https://www.nvidia.com/en-us/data-center/h200/",
                  {"ResNet18Classifier": (256, 12.73e-3, "bf16-mixed, configs/resnet18_gpu.yaml; measured: python "
                                          "-m benchmarks.gpu_speed on one H200, 2026-11-26, the CLI's step, median "
-                                         "of 2 rounds of 100 steps (benchmarks/README.md, 'A fast recipe on one "
-                                         "GPU')")}),
+                                         "of 2 rounds of 100 steps, the config then saving every 100 steps "
+                                         "(benchmarks/README.md, 'A fast recipe on one GPU')")}),
     DevicePreset("a100", "NVIDIA A100 SXM4, bf16 dense tensor cores", 312e12,
                  "NVIDIA A100 datasheet (312 TFLOPS bf16 dense), https://www.nvidia.com/en-us/data-center/a100/",
                  {}),

@@ -290,8 +290,11 @@ class ReplicaSet:
 
     def load_from_replica0(self, strict: bool) -> None:
         """Every other replica loads replica 0's state dict (after a checkpoint was loaded into it)."""
+        if len(self.modules) < 2:  # one replica, or dropped at teardown
+            return
+        state = self.modules[0].state_dict()
         for replica in self.modules[1:]:
-            replica.load_state_dict(self.modules[0].state_dict(), strict=strict)
+            replica.load_state_dict(state, strict=strict)
 
     def remove(self) -> None:
         """Remove the overlap hooks, make synchronised BatchNorm layers plain again and drop the copies. The

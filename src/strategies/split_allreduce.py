@@ -99,12 +99,13 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
                  compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
                  powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
-        super().__init__(devices, replicas_per_process, process_group_backend, timeout, start_method)
-        # checked here, once; made at train start, when the world size is known
+        # checked here, once, before the devices are parsed; the compression is made at train start, when the
+        # world size is known
         self._compression = CheckpointedCompression(CompressionSpec(
             compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
         check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,
                       bucket_cap_mb, auto_split_steps, check_sync_every)
+        super().__init__(devices, replicas_per_process, process_group_backend, timeout, start_method)
         self.algorithm, self.process_algorithm = allreduce, process_allreduce
         self.sync_buffers_mode, self.split_weights, self._shares = sync_buffers, split_weights, None
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
