@@ -118,13 +118,15 @@ def table(epochs: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=2, help="training epochs")
+    parser.add_argument("--logs", default="logs", help="folder for the run's temporary log folder (default: logs, "
+                                                       "on the disk a user's run saves to: a save's cost depends on it)")
     args, cli_args = parser.parse_known_args(argv)
     cli_args = [a for a in cli_args if a != "--"]
     # the class as the CLI imports it by name: under `python -m` this file is also `__main__`, another class object
     anatomy = importlib.import_module("benchmarks.epoch_anatomy").Anatomy
     anatomy.epochs = []
-    Path("logs").mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir="logs") as logs:  # where a run saves: a save's cost depends on the disk
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.logs) as logs:
         cli_main(["fit", *cli_args, "--trainer.max_epochs", str(args.epochs), "--test_after_fit", "false",
                   "--trainer.logger.init_args.save_dir", logs, "--trainer.enable_progress_bar", "false",
                   "--trainer.callbacks+=benchmarks.epoch_anatomy.Anatomy"])
