@@ -118,8 +118,8 @@ def table(epochs: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=2, help="training epochs")
-    parser.add_argument("--logs", default="logs", help="folder for the run's temporary log folder (default: logs, "
-                                                       "on the disk a user's run saves to: a save's cost depends on it)")
+    parser.add_argument("--logs", default="logs", help="where the run's temporary log folder goes (default: logs, "
+                                                       "the disk a user's run saves to: a save's cost depends on it)")
     args, cli_args = parser.parse_known_args(argv)
     cli_args = [a for a in cli_args if a != "--"]
     # the class as the CLI imports it by name: under `python -m` this file is also `__main__`, another class object
