@@ -18,6 +18,9 @@ the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over 
    * **bare**: the same network, optimizer settings and precision in a plain loop over batches already on the
      GPU (random images of the same shape), no Lightning, no augmentation, no metrics, no checks, timed the
      same way.
+   * **plain Lightning**: the bare loop's network, loss and optimizer in a LightningModule that does nothing
+     else, run by Lightning's Trainer with no logger, checkpoints or callbacks (`benchmarks.plain_lightning`):
+     what Lightning's loop costs by itself, so that app / plain Lightning is what the application adds to it.
 
    One non-logging training step of each app run is watched with `torch.cuda.set_sync_debug_mode("warn")`, from
    the first callback's `on_train_batch_start` to the last callback's `on_train_batch_end`, and its syncs are
@@ -48,6 +51,7 @@ import yaml
 from torch import nn
 
 from benchmarks import gpu_runs
+from benchmarks.plain_lightning import plain_step
 from benchmarks.strategy_step import data_dir
 from src.cli import main as cli_main
 from src.models import LeNet, ResNet18, init_weights
@@ -240,25 +244,31 @@ def _goal(name: str, value: float, bound: float, shown: str) -> str:
 
 def step_rows(args, root: str) -> tuple[list[str], dict[str, tuple[float, float, int]]]:
     """The app-against-bare table, and {row name: (app ms, bare ms, syncs)} for the goal table."""
-    lines = ["| network | app ms/step | bare loop ms/step | app / bare | syncs in one non-logging app step |",
-             "|---|---|---|---|---|"]
+    lines = ["| network | app ms/step | plain Lightning ms/step | bare loop ms/step | app / bare | plain Lightning / "
+             "bare | syncs in one non-logging app step |",
+             "|---|---|---|---|---|---|---|"]
     found = {}
     for name, (config, extra, make, batch, precision, compile_mode) in CASES.items():
         if not any(part in name for part in args.only.split("|")):
             continue
         recipe = yaml.safe_load((ROOT / config).read_text())["model"]["init_args"]
-        app, bare, syncs = [], [], []
+        app, plain, bare, syncs = [], [], [], []
         for _ in range(args.rounds):
             with tempfile.TemporaryDirectory() as logs:
                 ms, syncs = app_step(config, extra, root, logs)
             app.append(ms)
-            net = make(10)
-            init_weights(net, recipe.get("init", "kaiming"))
-            bare.append(bare_step(net, recipe, batch, precision, compile_mode))
-        a, b = statistics.median(app), statistics.median(bare)
-        found[name] = (a, b, len(syncs))
-        lines.append(f"| {name} | {a:.2f} ({', '.join(f'{x:.2f}' for x in app)}) | "
-                     f"{b:.2f} ({', '.join(f'{x:.2f}' for x in bare)}) | {a / b:.2f} | {len(syncs)} |")
+            for times, step in ((plain, plain_step), (bare, bare_step)):
+                net = make(10)
+                init_weights(net, recipe.get("init", "kaiming"))
+                times.append(step(net, recipe, batch, precision, compile_mode))
+        a, p, b = statistics.median(app), statistics.median(plain), statistics.median(bare)
+        found[name] = (a, b, len(syncs), p)
+
+        def each(values: list[float]) -> str:
+            return ", ".join(f"{x:.2f}" for x in values)
+
+        lines.append(f"| {name} | {a:.2f} ({each(app)}) | {p:.2f} ({each(plain)}) | {b:.2f} ({each(bare)}) | "
+                     f"{a / b:.2f} | {p / b:.2f} | {len(syncs)} |")
         for s in sorted(set(syncs)):
             print(f"  {name}: sync x{syncs.count(s)}: {s}")
         if args.profile is not None:
@@ -283,15 +293,18 @@ def goal_table(steps: dict, epochs, runs) -> list[str]:
     lenet = steps.get("LeNet, float32, batch 64")
     if single:
         lines.append(_goal("ResNet-18 app step / bare loop (bf16, batch 256)", single[0] / single[1], 1.15,
-                           f"{single[0] / single[1]:.2f} ({single[0]:.2f} / {single[1]:.2f} ms)"))
+                           f"{single[0] / single[1]:.2f} ({single[0]:.2f} / {single[1]:.2f} ms; plain Lightning "
+                           f"{single[3]:.2f} ms)"))
     graphs = steps.get("ResNet-18, CUDA graphs (reduce-overhead)")
     if graphs:
         lines.append(_goal("ResNet-18 app step / bare loop, both in CUDA graphs (bf16, batch 256)",
                            graphs[0] / graphs[1], 1.15,
-                           f"{graphs[0] / graphs[1]:.2f} ({graphs[0]:.2f} / {graphs[1]:.2f} ms)"))
+                           f"{graphs[0] / graphs[1]:.2f} ({graphs[0]:.2f} / {graphs[1]:.2f} ms; plain Lightning "
+                           f"{graphs[3]:.2f} ms)"))
     if lenet:
         lines.append(_goal("LeNet app step / bare loop (float32, batch 64)", lenet[0] / lenet[1], 1.3,
-                           f"{lenet[0] / lenet[1]:.2f} ({lenet[0]:.2f} / {lenet[1]:.2f} ms)"))
+                           f"{lenet[0] / lenet[1]:.2f} ({lenet[0]:.2f} / {lenet[1]:.2f} ms; plain Lightning "
+                           f"{lenet[3]:.2f} ms)"))
     lenet_graphs = steps.get("LeNet, CUDA graphs (reduce-overhead)")
     if lenet_graphs:   # the stretch goal: 922 steps in 1.0 s
         lines.append(_goal("LeNet app in CUDA graphs, 922-step epoch (s)", lenet_graphs[0] * 0.922, 1.0,
