@@ -37,6 +37,19 @@ class _Plain(pl.LightningModule):
                                nesterov=r["nesterov"])
 
 
+class _Batches:
+    """The batches as one iterable (Lightning reads a list as several dataloaders)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class _Window(pl.Callback):
     """Seconds of steps [WARMUP, WARMUP + TIMED), the device drained at the two ends only."""
 
@@ -83,7 +96,7 @@ def plain_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile
     trainer = pl.Trainer(accelerator="gpu" if dev.type == "cuda" else "cpu", devices=1, precision=precision,
                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[window], num_sanity_val_steps=0)
-    trainer.fit(_Plain(net, recipe, run), train_dataloaders=batches)
+    trainer.fit(_Plain(net, recipe, run), train_dataloaders=_Batches(batches))
     return window.seconds / TIMED * 1e3
 
 
