@@ -42,6 +42,7 @@ import shlex
 import statistics
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -242,8 +243,39 @@ def _goal(name: str, value: float, bound: float, shown: str) -> str:
     return f"| {name} | {shown} | ≤ {bound:g} | {'**met**' if value <= bound else 'not met'} |"
 
 
-def step_rows(args, root: str) -> tuple[list[str], dict[str, tuple[float, float, int]]]:
-    """The app-against-bare table, and {row name: (app ms, bare ms, syncs)} for the goal table."""
+def _measure(args, root: str, config: str, extra: list[str], make, batch: int, precision: str,
+             compile_mode: str | None) -> tuple[list[float], list[float], list[float], list[str]]:
+    """`args.rounds` alternated rounds of app, plain Lightning and bare loop: their ms per step, and the syncs
+    seen in the last app run."""
+    recipe = yaml.safe_load((ROOT / config).read_text())["model"]["init_args"]
+    app, plain, bare, syncs = [], [], [], []
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as logs:
+            ms, syncs = app_step(config, extra, root, logs)
+        app.append(ms)
+        for times, step in ((plain, plain_step), (bare, bare_step)):
+            net = make(10)
+            init_weights(net, recipe.get("init", "kaiming"))
+            times.append(step(net, recipe, batch, precision, compile_mode))
+    return app, plain, bare, syncs
+
+
+def _profile_row(args, root: str, name: str, config: str, extra: list[str]) -> None:
+    out = args.profile / "".join(c if c.isalnum() else "_" for c in name.lower())
+    out.mkdir(parents=True, exist_ok=True)
+    window = importlib.import_module("benchmarks.gpu_speed").Window
+    window.profile_to = out
+    try:
+        with tempfile.TemporaryDirectory() as logs:
+            ms, _ = app_step(config, extra, root, logs)
+    finally:
+        window.profile_to = None
+    print(f"  {name}: profiled app run {ms:.2f} ms/step (profiler overhead included) -> {out}")
+
+
+def step_rows(args, root: str) -> tuple[list[str], dict[str, tuple[float, float, int, float]]]:
+    """The app-against-bare table, and {row name: (app ms, bare ms, syncs, plain Lightning ms)} for the goal
+    table. A row that fails is reported in the table and the next row runs: one GPU session measures them all."""
     lines = ["| network | app ms/step | plain Lightning ms/step | bare loop ms/step | app / bare | plain Lightning / "
              "bare | syncs in one non-logging app step |",
              "|---|---|---|---|---|---|---|"]
@@ -251,16 +283,13 @@ def step_rows(args, root: str) -> tuple[list[str], dict[str, tuple[float, float,
     for name, (config, extra, make, batch, precision, compile_mode) in CASES.items():
         if not any(part in name for part in args.only.split("|")):
             continue
-        recipe = yaml.safe_load((ROOT / config).read_text())["model"]["init_args"]
-        app, plain, bare, syncs = [], [], [], []
-        for _ in range(args.rounds):
-            with tempfile.TemporaryDirectory() as logs:
-                ms, syncs = app_step(config, extra, root, logs)
-            app.append(ms)
-            for times, step in ((plain, plain_step), (bare, bare_step)):
-                net = make(10)
-                init_weights(net, recipe.get("init", "kaiming"))
-                times.append(step(net, recipe, batch, precision, compile_mode))
+        try:
+            app, plain, bare, syncs = _measure(args, root, config, extra, make, batch, precision, compile_mode)
+        except (Exception, SystemExit) as err:  # the CLI ends a bad run with SystemExit(2) and one line on stderr
+            traceback.print_exc()
+            first = str(err).splitlines()[0][:200] if str(err) else ""
+            lines.append(f"| {name} | failed: {type(err).__name__}: {first} |")
+            continue
         a, p, b = statistics.median(app), statistics.median(plain), statistics.median(bare)
         found[name] = (a, b, len(syncs), p)
 
@@ -272,16 +301,7 @@ def step_rows(args, root: str) -> tuple[list[str], dict[str, tuple[float, float,
         for s in sorted(set(syncs)):
             print(f"  {name}: sync x{syncs.count(s)}: {s}")
         if args.profile is not None:
-            out = args.profile / "".join(c if c.isalnum() else "_" for c in name.lower())
-            out.mkdir(parents=True, exist_ok=True)
-            window = importlib.import_module("benchmarks.gpu_speed").Window
-            window.profile_to = out
-            try:
-                with tempfile.TemporaryDirectory() as logs:
-                    ms, _ = app_step(config, extra, root, logs)
-            finally:
-                window.profile_to = None
-            print(f"  {name}: profiled app run {ms:.2f} ms/step (profiler overhead included) -> {out}")
+            _profile_row(args, root, name, config, extra)
     return lines, found
 
 
