@@ -44,10 +44,8 @@ class Anatomy(pl.Callback):
         self._epoch_end = None
 
     def _graph_counts(self) -> tuple[int, int]:
-        try:
-            from torch._dynamo.utils import counters
-        except ImportError:
-            return 0, 0
+        from torch._dynamo.utils import counters
+
         return (int(counters["stats"].get("unique_graphs", 0)),
                 int(counters["inductor"].get("cudagraph_recorded_non_static_inputs", 0)))
 

@@ -53,6 +53,7 @@ from torch import nn
 
 from benchmarks import gpu_runs
 from benchmarks.plain_lightning import plain_step
+from benchmarks.recipe import recipe_sgd, resident_batches
 from benchmarks.strategy_step import data_dir
 from src.cli import main as cli_main
 from src.models import LeNet, ResNet18, init_weights
@@ -176,15 +177,9 @@ def bare_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile_
     torch.manual_seed(0)
     net = net.cuda().to(memory_format=torch.channels_last)
     run = net if compile_mode is None else torch.compile(net, mode=compile_mode)
-    decay = [p for p in net.parameters() if p.ndim > 1]
-    no_decay = [p for p in net.parameters() if p.ndim <= 1]
-    opt = torch.optim.SGD([{"params": decay, "weight_decay": recipe["weight_decay"]},
-                           {"params": no_decay, "weight_decay": 0.0}], lr=0.01, momentum=recipe["momentum"],
-                          nesterov=recipe["nesterov"])
+    opt = recipe_sgd(net, recipe, lr=0.01)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe["label_smoothing"])
-    xs = [torch.randn(batch, 1, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
-          for _ in range(8)]
-    ys = torch.randint(0, 10, (8, batch), device="cuda")
+    xs, ys = resident_batches(batch, "cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 
     def step(i: int) -> None:

@@ -101,15 +101,14 @@ def floor_loop() -> float:
     """The bare loop with configs/lenet.yaml's recipe over its 59,000 training images; returns images/s."""
     import yaml
 
+    from benchmarks.recipe import recipe_sgd
     from src.data.fashion_mnist import MEAN, STD, load_split
 
     config = yaml.safe_load(open("configs/lenet.yaml"))
     hp, batch = config["model"]["init_args"], config["data"]["batch_size"]
     images, labels = load_split("data", train=True)
     net = _model(hp["channels_last"])
-    groups = [{"params": [p for p in net.parameters() if p.ndim > 1], "weight_decay": hp["weight_decay"]},
-              {"params": [p for p in net.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
-    opt = torch.optim.SGD(groups, lr=hp["lr"], momentum=hp["momentum"], nesterov=hp["nesterov"])
+    opt = recipe_sgd(net, hp, lr=hp["lr"])
     loss = nn.CrossEntropyLoss(label_smoothing=hp["label_smoothing"])
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[config["data"]["val_size"]:]
     tic = time.perf_counter()

@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from benchmarks.recipe import recipe_sgd, resident_batches
+
 WARMUP, TIMED = 30, 100
 
 
@@ -29,12 +31,7 @@ class _Plain(pl.LightningModule):
         return self.loss_fn(self.run(x), y)
 
     def configure_optimizers(self):
-        decay = [p for p in self.net.parameters() if p.ndim > 1]
-        no_decay = [p for p in self.net.parameters() if p.ndim <= 1]
-        r = self.recipe
-        return torch.optim.SGD([{"params": decay, "weight_decay": r["weight_decay"]},
-                                {"params": no_decay, "weight_decay": 0.0}], lr=0.01, momentum=r["momentum"],
-                               nesterov=r["nesterov"])
+        return recipe_sgd(self.net, self.recipe, lr=0.01)
 
 
 class _Batches:
@@ -88,8 +85,7 @@ def plain_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile
     dev = torch.device(device)
     net = net.to(dev).to(memory_format=torch.channels_last)
     run = net if compile_mode is None else torch.compile(net, mode=compile_mode, dynamic=False)
-    xs = [torch.randn(batch, 1, 28, 28, device=dev).contiguous(memory_format=torch.channels_last) for _ in range(8)]
-    ys = torch.randint(0, 10, (8, batch), device=dev)
+    xs, ys = resident_batches(batch, dev)
     steps = WARMUP + TIMED + 1
     batches = [(xs[i % 8], ys[i % 8]) for i in range(steps)]
     window = _Window(dev)
@@ -101,15 +97,17 @@ def plain_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile
 
 
 def main() -> None:
+    import yaml
+
     from src.models import LeNet, init_weights
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    recipe = {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "label_smoothing": 0.1}
+    recipe = yaml.safe_load(open("configs/lenet.yaml"))["model"]["init_args"]
     net = LeNet()
-    init_weights(net, "kaiming")
+    init_weights(net, recipe["init"])
     print(f"plain Lightning, LeNet, batch {args.batch} on {args.device}: "
           f"{plain_step(net, recipe, args.batch, '32-true', device=args.device):.3f} ms/step")
 
