@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from src.strategies.comm.allreduce import allreduce_
-from src.strategies.comm.gradient_exchange import allreduce_gradients_, bucket_indices
+from src.strategies.comm.gradient_exchange import allreduce_gradients_, bucket_indices, memory_views
 
 
 def _buffers(k: int, n: int) -> list[torch.Tensor]:
@@ -70,3 +70,45 @@ def test_gradients_are_summed_and_missing_ones_count_as_zero():
         assert torch.equal(ps[1].grad, torch.full((2, 3), 40.0))
         assert ps[2].grad is None
     assert sum(sent) > 0
+
+
+def _conv_replicas(k: int, layouts: list[torch.memory_format]) -> list[list[torch.nn.Parameter]]:
+    """k replicas of a conv weight, a 1x1 conv weight and a bias, float64, with random gradients; replica i's
+    weights in memory format layouts[i]."""
+    g = torch.Generator().manual_seed(7)
+    replicas = []
+    for i in range(k):
+        shapes = [(8, 3, 3, 3), (4, 8, 1, 1), (8,)]
+        ps = [torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if p.dim() == 4:
+                p.data, p.grad = p.data.to(memory_format=layouts[i]), p.grad.to(memory_format=layouts[i])
+        replicas.append(ps)
+    return replicas
+
+
+@pytest.mark.parametrize("layouts", [["cl", "cl", "cl"], ["nchw", "nchw", "nchw"], ["cl", "nchw", "cl"]])
+@pytest.mark.parametrize("algorithm", ["reduce_broadcast", "ring"])
+def test_channels_last_gradients_are_summed_in_place_and_keep_their_layout(layouts, algorithm):
+    formats = [torch.channels_last if f == "cl" else torch.contiguous_format for f in layouts]
+    replicas = _conv_replicas(3, formats)
+    grads = [[p.grad for p in ps] for ps in replicas]
+    expected = [sum(r[j].grad for r in replicas) for j in range(3)]
+    strides = [[g.stride() for g in gs] for gs in grads]
+    # read in memory order only where every replica lays a tensor out alike; mixed layouts take the copying path
+    assert (memory_views(grads) is None) == (len(set(layouts)) > 1)
+    allreduce_gradients_(replicas, algorithm)
+    for ps, before in zip(replicas, strides):
+        assert [p.grad.stride() for p in ps] == before     # the same tensors, written in place
+        for p, want in zip(ps, expected):
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=1e-12)
+    assert all(torch.equal(a.grad, b.grad) for ps in replicas[1:] for a, b in zip(replicas[0], ps))
+
+
+def test_memory_views_are_views_in_memory_order():
+    t = torch.arange(24.0).reshape(1, 2, 3, 4).to(memory_format=torch.channels_last)
+    [[v]] = memory_views([[t]])
+    assert v.shape == (24,) and v.data_ptr() == t.data_ptr()
+    assert torch.equal(v, t.permute(0, 2, 3, 1).reshape(-1))    # (N, H, W, C): the order in memory
+    assert memory_views([[t[:, :, :, ::2]]]) is None                  # strided: neither contiguous nor channels_last

@@ -35,6 +35,41 @@ def copy_back_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
         offset += t.numel()
 
 
+def _in_memory_order(t: Tensor) -> tuple[str, Tensor] | None:
+    """`t`'s elements as a 1-D view in the order they lie in memory (no copy), with that order's name; None when
+    `t` is neither contiguous nor channels_last."""
+    if t.is_contiguous():
+        return "contiguous", t.view(-1)
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last", t.permute(0, 2, 3, 1).reshape(-1)  # (N, H, W, C) is contiguous: a view
+    return None
+
+
+def memory_views(groups: Sequence[Sequence[Tensor]]) -> list[list[Tensor]] | None:
+    """1-D views of K aligned tensor lists in memory order, or None where entry j is not laid out alike on all K.
+
+    A channels_last gradient read in its logical order (`flatten`) is first copied into that order; read in
+    memory order it is a view, and a bucket's K flat buffers still line up element for element as long as every
+    replica lays out entry j the same way (an allreduce sums element i of every replica's buffer).
+
+    Args:
+        groups: K lists of tensors, entry j of every list the same tensor on another replica.
+
+    Returns:
+        K lists of 1-D views (shapes `(numel,)`, same dtype and device as the tensors), or None.
+    """
+    first = [_in_memory_order(t) for t in groups[0]]
+    if any(v is None for v in first):
+        return None
+    views = [[v for _, v in first]]
+    for group in groups[1:]:
+        these = [_in_memory_order(t) for t in group]
+        if any(v is None or v[0] != f[0] for v, f in zip(these, first)):
+            return None
+        views.append([v for _, v in these])
+    return views
+
+
 def bucket_indices(params: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
     """Group parameter indices into buckets of one dtype, each at most `cap_bytes` (or one tensor if larger).
 
@@ -85,7 +120,12 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: InProcessA
         Bytes sent by each of the K devices.
     """
     with phase(f"allreduce bucket {index}"):
-        flats = [flatten([p.grad for p in group]) for group in members]
+        grads = [[p.grad for p in group] for group in members]
+        # in one process and uncompressed, read the gradients in memory order: no copy per channels_last tensor,
+        # and one foreach copy back per replica instead of one copy per tensor (2 x 62 launches on ResNet-18).
+        # PowerSGD needs each gradient in its logical (matrix) order, and other processes' layouts are unknown here
+        views = memory_views(grads) if between is None and compression is None else None
+        flats = [flatten(g) for g in grads] if views is None else [torch.cat(v) for v in views]
         if between is None:
             sent = algorithm.run(flats)
         elif compression is None:
@@ -94,8 +134,11 @@ def allreduce_bucket_(members: Sequence[Sequence[Tensor]], algorithm: InProcessA
             sent = reduce_(flats)
             sent[0] += compression.allreduce_(flats[0], param_ids, [p.shape for p in members[0]], between)
             sent = [a + b for a, b in zip(sent, broadcast_(flats))]
-        for group, flat in zip(members, flats):
-            copy_back_(flat, [p.grad for p in group])
+        for k, flat in enumerate(flats):
+            if views is None:
+                copy_back_(flat, grads[k])
+            else:  # torch's foreach optimizers use the same multi-tensor kernels
+                torch._foreach_copy_(views[k], flat.split([v.numel() for v in views[k]]))
     return sent
 
 
