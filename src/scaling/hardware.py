@@ -197,10 +197,10 @@ DEVICES: dict[str, DevicePreset] = {d.name: d for d in [
     DevicePreset("h200", "NVIDIA H200 SXM, bf16 dense tensor cores", 989e12,
                  "NVIDIA H200 datasheet (989 TFLOPS bf16 dense, as the H100), "
                  "https://www.nvidia.com/en-us/data-center/h200/",
-                 {"ResNet18Classifier": (256, 12.73e-3, "bf16-mixed, configs/resnet18_gpu.yaml; measured: python "
+                 {"ResNet18Classifier": (256, 10.37e-3, "bf16-mixed, configs/resnet18_gpu.yaml; measured: python "
                                          "-m benchmarks.gpu_speed on one H200, 2026-11-26, the CLI's step, median "
-                                         "of 2 rounds of 100 steps, the config then saving every 100 steps "
-                                         "(benchmarks/README.md, 'A fast recipe on one GPU')")}),
+                                         "of 2 rounds of 100 steps (benchmarks/README.md, 'The whole speed "
+                                         "benchmark on one H200')")}),
     DevicePreset("a100", "NVIDIA A100 SXM4, bf16 dense tensor cores", 312e12,
                  "NVIDIA A100 datasheet (312 TFLOPS bf16 dense), https://www.nvidia.com/en-us/data-center/a100/",
                  {}),

@@ -164,15 +164,27 @@ def sync_buffers_(replicas: list[nn.Module], mode: str) -> None:
     """
     check_buffer_mode(mode)
     per_replica = [list(r.buffers()) for r in replicas]
-    for bufs in zip(*per_replica):
-        root = bufs[0]
-        if mode == "mean" and root.is_floating_point():
-            total = root.clone()
-            for b in bufs[1:]:
-                total.add_(b.to(root.device))
-            root.copy_(total.div_(len(bufs)))
-        for b in bufs[1:]:
-            b.copy_(root)
+    if mode == "mean":
+        for bufs in zip(*per_replica):
+            root = bufs[0]
+            if root.is_floating_point():
+                total = root.clone()
+                for b in bufs[1:]:
+                    total.add_(b.to(root.device))
+                root.copy_(total.div_(len(bufs)))
+    for bufs in per_replica[1:]:
+        if all(b.device == r.device for b, r in zip(bufs, per_replica[0])):
+            # a multi-tensor copy per dtype on replica 0's device: ResNet-18's 60 buffers in 2 calls, not 60 copies
+            by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+            for b, root in zip(bufs, per_replica[0]):
+                dst, src = by_dtype.setdefault(root.dtype, ([], []))
+                dst.append(b)
+                src.append(root)
+            for dst, src in by_dtype.values():
+                torch._foreach_copy_(dst, src)
+        else:
+            for b, root in zip(bufs, per_replica[0]):
+                b.copy_(root)
 
 
 @torch.no_grad()
