@@ -50,7 +50,9 @@ def memory_views(groups: Sequence[Sequence[Tensor]]) -> list[list[Tensor]] | Non
 
     A channels_last gradient read in its logical order (`flatten`) is first copied into that order; read in
     memory order it is a view, and a bucket's K flat buffers still line up element for element as long as every
-    replica lays out entry j the same way (an allreduce sums element i of every replica's buffer).
+    replica lays out entry j the same way (an allreduce sums element i of every replica's buffer). DDP's
+    buckets follow a parameter's strides too (`gradient_as_bucket_view`, torch.nn.parallel.DistributedDataParallel
+    docs); the memory formats are those of https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html.
 
     Args:
         groups: K lists of tensors, entry j of every list the same tensor on another replica.
