@@ -1,10 +1,15 @@
 """The step timeline as a picture: a few consecutive steps, one lane per process x replica, phases coloured.
 
-Each lane has two rows. The upper row is what the replica's thread did at each instant (the innermost labelled
-span, as in `src.timeline.breakdown`). The lower, thinner row shows collectives running on other threads of
-the process at the same time (DDP's bucket allreduce on gloo's thread): where it lies under a forward or
-backward bar, communication overlapped compute. An allreduce of ours started from a backward hook appears in
-the upper row, cutting into the backward bar: it ran between backward's operators, on the same thread.
+Each lane has two rows. The upper row is what the replica's thread did at each instant. Its colour agrees with
+`src.timeline.breakdown`'s category of that instant (communication, waiting, loop), and splits compute into
+forward, backward and optimizer by the project's own phase labels (`dp/forward`, `dp/backward`,
+`dp/replica k/...`, see `src.timeline.labels`): torch's spans decide only where no such label covers the instant.
+torch's `Optimizer.step#...` span wraps Lightning's whole closure (forward and backward run inside
+`optimizer.step(closure)`), so "the innermost span decides" would draw the forward pass as optimizer.
+The lower, thinner row shows collectives running on other threads of the process at the same time (DDP's
+bucket allreduce on gloo's thread): where it lies under a forward or backward bar, communication overlapped
+compute. An allreduce of ours started from a backward hook appears in the upper row, cutting into the backward
+bar: it ran between backward's operators, on the same thread.
 """
 
 import matplotlib
@@ -16,6 +21,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from src.timeline.breakdown import (Span, category_at, category_of, is_comm_op, replica_of, segments, step_number,  # noqa: E402
                                     steps_of)
+from src.timeline.labels import PREFIX  # noqa: E402
 
 COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "communication": "#C44E52",
            "waiting": "#8C8C8C", "loop": "#CCB974"}
@@ -47,13 +53,56 @@ def lane_of(span: Span, marks: list[Span]) -> int | None:
     return 0 if category_of(span.name) == "compute" else None
 
 
+def innermost(spans: list[Span]) -> Span:
+    """The span that started last (of equal starts, the shorter): the innermost of nested spans."""
+    return max(spans, key=lambda s: (s.start, -s.end))
+
+
+def deciding_span(active: list[Span], what: str) -> Span | None:
+    """The span that gives an instant of one thread its colour and lane, given its breakdown category `what`.
+
+    For compute, the innermost compute span among the project's `dp/` labels, or among torch's compute spans
+    when no label covers the instant; for another category, the innermost span of that category (None if there
+    is none: the thread idles in a compute span while a collective runs elsewhere).
+
+    Args:
+        active: The drawn spans of one thread active at the instant (each has a `phase_of`).
+        what: The instant's category, one of `src.timeline.breakdown.CATEGORIES`.
+    """
+    if what == "compute":
+        compute = [s for s in active if category_of(s.name) == "compute"]
+        ours = [s for s in compute if s.name.startswith(PREFIX)]
+        return innermost(ours or compute) if compute else None
+    same = [s for s in active if category_of(s.name) == what]
+    return innermost(same) if same else None
+
+
+def phase_at(active: list[Span], background: bool) -> tuple[str, Span] | None:
+    """The colour group of an instant of one thread and the span whose lane it is drawn in (None: not drawn).
+
+    Args:
+        active: The drawn spans of the thread active at the instant, plus (on the loop's thread) its
+            operators: `src.timeline.breakdown.category_at` decides the category from them.
+        background: Whether a collective runs on another thread of the process (only for the loop's thread).
+    """
+    labelled = [s for s in active if phase_of(s.name) is not None]
+    if not labelled:
+        return None
+    what = category_at(active, background)
+    if what == "unattributed":
+        return None
+    decider = deciding_span(labelled, what) or deciding_span(labelled, "compute") or innermost(labelled)
+    return (phase_of(decider.name) if what == "compute" else what), decider
+
+
 def lane_bars(spans: list[Span], loop_tid: int | str, lo: float, hi: float
               ) -> dict[int | None, dict[str, list[tuple[float, float]]]]:
     """Per lane (replica k, or None for the whole process) and phase, the (start ms from `lo`, width ms) bars of
-    what each thread did in [lo, hi): at each instant the innermost labelled span of the thread decides both
-    the lane and the phase, so the work of replica 1 leaves replica 0's lane empty. On the loop's thread, an
-    instant that `src.timeline.breakdown` counts as communication (idle in a compute span while a collective
-    runs elsewhere) is drawn as communication too."""
+    what each thread did in [lo, hi): `phase_at` decides each instant's phase and the span whose lane it is
+    drawn in, so the work of replica 1 leaves replica 0's lane empty. On the loop's thread each instant's phase
+    is its category in `src.timeline.breakdown` (forward, backward and optimizer making up compute): an instant
+    idle in a compute span while a collective runs elsewhere is drawn as communication."""
+    spans = [s for s in spans if s.end > lo and s.start < hi]  # others would add bounds outside [lo, hi)
     labelled = [s for s in spans if phase_of(s.name) is not None and (s.tid == loop_tid or not is_comm_op(s.name))]
     marks = [s for s in labelled if replica_of(s.name) is not None]
     lanes = {id(s): lane_of(s, marks) for s in labelled}
@@ -63,15 +112,11 @@ def lane_bars(spans: list[Span], loop_tid: int | str, lo: float, hi: float
     for tid in {s.tid for s in labelled}:
         extra = ops + background if tid == loop_tid else []
         for a, b, active in segments([s for s in labelled if s.tid == tid] + extra, lo, hi):
-            mine = [s for s in active if id(s) in lanes]
-            if not mine:
+            drawn = phase_at([s for s in active if s.tid == tid], any(s.tid != tid for s in active))
+            if drawn is None:
                 continue
-            inner = max(mine, key=lambda s: (s.start, -s.end))
-            phase = phase_of(inner.name)
-            if tid == loop_tid and category_at([s for s in active if s.tid == tid],
-                                               any(s.tid != tid for s in active)) == "communication":
-                phase = "communication"
-            row = out.setdefault(lanes[id(inner)], {}).setdefault(phase, [])
+            phase, decider = drawn
+            row = out.setdefault(lanes[id(decider)], {}).setdefault(phase, [])
             start, width = (a - lo) / 1000, (b - a) / 1000
             if row and abs(row[-1][0] + row[-1][1] - start) < 1e-9:
                 row[-1] = (row[-1][0], row[-1][1] + width)
