@@ -9,7 +9,8 @@ import torch
 
 from src.callbacks import StepTimeline
 from src.timeline import labels
-from src.timeline.breakdown import CATEGORIES, Span, classify_step, load_spans, process_breakdown
+from src.timeline.breakdown import CATEGORIES, Span, classify_step, load_spans, process_breakdown, steps_of
+from src.timeline.picture import lane_bars
 from tests.helpers.runs import ddp, fit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +38,41 @@ def _check_breakdown(folder, ranks):
     assert "exposed communication" in (folder / "breakdown.md").read_text()
 
 
+def _overlap(bars, lo, hi):
+    """ms of the (start, width) bars inside [lo, hi) (ms)."""
+    return sum(max(0.0, min(a + w, hi) - max(a, lo)) for a, w in bars)
+
+
+def _check_phases_drawn(folder, ranks):
+    """What the picture calls each instant of the recorded steps, on every rank: nothing inside `dp/forward` or
+    `dp/backward` is drawn as optimizer, most of `dp/forward` is drawn as forward and some of `dp/backward` as
+    backward, and the phases add up to the breakdown's categories (forward + backward + optimizer = compute)."""
+    for rank in range(ranks):
+        spans = load_spans(folder / f"trace-rank{rank}.json")
+        steps = steps_of(spans)
+        loop, lo, hi = steps[0].tid, steps[0].start, steps[-1].end
+        drawn: dict[str, list] = {}
+        for lane in lane_bars(spans, loop, lo, hi).values():
+            for phase, bars in lane.items():
+                drawn.setdefault(phase, []).extend(bars)
+        phases = [s for s in spans if s.tid == loop and s.name in ("dp/forward", "dp/backward") and lo <= s.start < hi]
+        assert [s.name for s in phases].count("dp/forward") == len(steps) == [s.name for s in phases].count(
+            "dp/backward")
+        for span in phases:
+            a, b = (span.start - lo) / 1000, (span.end - lo) / 1000
+            assert _overlap(drawn.get("optimizer", []), a, b) == 0, (rank, span)
+            if span.name == "dp/forward":
+                assert _overlap(drawn["forward"], a, b) >= 0.5 * (b - a), (rank, span)
+            else:
+                assert _overlap(drawn["backward"], a, b) > 0, (rank, span)
+        rows = [classify_step(spans, step) for step in steps]
+        ms = {phase: sum(w for _, w in bars) for phase, bars in drawn.items()}
+        assert ms.get("optimizer", 0) > 0  # the optimizer's own step, after backward, is still drawn as one
+        assert ms["forward"] + ms["backward"] + ms["optimizer"] == pytest.approx(sum(r["compute"] for r in rows))
+        for what in ("communication", "waiting", "loop"):
+            assert ms.get(what, 0.0) == pytest.approx(sum(r[what] for r in rows), abs=1e-6), what
+
+
 def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
     from src.strategies import SplitAllreduceStrategy
 
@@ -47,9 +83,11 @@ def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
     assert OURS_LABELS <= names, OURS_LABELS - names
     assert {f"dp/step {i}" for i in (2, 3, 4)} <= names and "dp/step 1" not in names and "dp/step 5" not in names
     _check_breakdown(tmp_path / "tl", ranks=1)
+    _check_phases_drawn(tmp_path / "tl", ranks=1)
     assert not labels.recording()
 
 
+@pytest.mark.slow  # spawns 2 processes
 def test_ddp_two_processes(tiny_data_dir, tmp_path):
     fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=24, callbacks=[StepTimeline(start_step=2, steps=3,
                                                                           dirpath=str(tmp_path / "tl"))])
@@ -60,6 +98,7 @@ def test_ddp_two_processes(tiny_data_dir, tmp_path):
         # DDP's bucket allreduce runs on gloo's thread, recorded by torch without any label of ours
         assert any(s.name == "gloo:all_reduce" and s.tid != loop_thread for s in spans)
     _check_breakdown(tmp_path / "tl", ranks=2)
+    _check_phases_drawn(tmp_path / "tl", ranks=2)
 
 
 def test_categories_are_measured_from_intervals():
@@ -81,6 +120,31 @@ def test_categories_are_measured_from_intervals():
     # 15-35 and 90-96 inside the step
     assert ms == {"compute": 55.0, "communication": 25.0, "waiting": 5.0, "loop": 10.0, "unattributed": 5.0,
                   "hidden_communication": 10.0, "gpu_busy": 26.0, "step": 100.0}
+
+
+def test_the_picture_draws_the_phase_the_labels_name():
+    """A made-up step (microseconds) as Lightning records it: torch's optimizer span wraps the closure, opening
+    just after `dp/forward` (forward 1-40, zero_grad 38-39 inside it), backward 40-80 with ops to 70, DDP's
+    `c10d::allreduce_` 70-72 on the loop thread and gloo's allreduce 72-78 on its own thread while the loop's
+    thread waits, the optimizer's own update 80-90, then the loop 90-100 with a broadcast 92-94."""
+    t = 7
+    spans = [Span("dp/step 3", 0, 100, t, "user_annotation"), Span("dp/forward", 1, 40, t, "user_annotation"),
+             Span("Optimizer.step#SGD.step", 2, 90, t, "user_annotation"), Span("aten::conv2d", 3, 37, t, "cpu_op"),
+             Span("Optimizer.zero_grad#SGD.zero_grad", 38, 39, t, "user_annotation"),
+             Span("dp/backward", 40, 80, t, "user_annotation"), Span("ConvBackward", 40, 70, t, "cpu_op"),
+             Span("c10d::allreduce_", 70, 72, t, "cpu_op"), Span("gloo:all_reduce", 72, 78, 8, "user_annotation"),
+             Span("aten::add_", 81, 89, t, "cpu_op"), Span("dp/loop", 90, 100, t, "user_annotation"),
+             Span("c10d::broadcast_", 92, 94, t, "cpu_op")]
+    bars = lane_bars(spans, t, 0, 100)
+    drawn = {(lane, phase, round(a * 1000, 6), round(w * 1000, 6)) for lane, phases in bars.items()
+             for phase, rows in phases.items() for a, w in rows}
+    # the forward and backward labels decide over torch's optimizer span around them; communication still wins
+    # inside backward; the optimizer's own update, covered by no label of ours, is drawn on the optimizer's lane
+    assert drawn == {(None, "forward", 1, 39), (None, "backward", 40, 30), (None, "communication", 70, 8),
+                     (None, "backward", 78, 2), (0, "optimizer", 80, 10), (None, "loop", 90, 2),
+                     (None, "communication", 92, 2), (None, "loop", 94, 6)}
+    ms = classify_step(spans, spans[0])
+    assert (ms["compute"], ms["communication"], ms["loop"]) == pytest.approx(((39 + 32 + 10) / 1000, 0.01, 0.008))
 
 
 @pytest.mark.slow  # starts processes of its own (2 x 2)
@@ -159,6 +223,7 @@ def test_profile_overlay_through_the_cli(tiny_data_dir, tmp_path, caplog):
     folder = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "timeline"
     assert f"step timeline of training steps 20-24: {folder}/timeline.png" in caplog.text
     assert {p.name for p in folder.iterdir()} == {"trace-rank0.json", "timeline.png", "breakdown.md", "breakdown.csv"}
+    _check_phases_drawn(folder, ranks=1)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(folder.parent))
