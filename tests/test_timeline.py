@@ -36,6 +36,39 @@ def _check_breakdown(folder, ranks):
     assert all(float(r["unattributed_fraction"]) <= 0.10 for r in table)
     assert (folder / "timeline.png").stat().st_size > 10_000
     assert "exposed communication" in (folder / "breakdown.md").read_text()
+    _check_markdown_sums(folder, ranks)
+
+
+def _md_tables(text):
+    """The markdown tables of a breakdown.md, each as a list of rows (cells as strings), in order."""
+    tables, current = [], None
+    for line in text.splitlines():
+        if line.startswith("| rank "):
+            current = []
+            tables.append(current)
+        elif line.startswith("|---"):
+            continue
+        elif line.startswith("| ") and current is not None:
+            current.append([c.strip() for c in line.strip("|").split("|")])
+        else:
+            current = None
+    return tables
+
+
+def _check_markdown_sums(folder, ranks):
+    """breakdown.md says why its medians need not add up, and its table of means does add up to the step and
+    agrees with the means of the steps measured from the trace."""
+    from src.timeline.report import MEDIANS_NOTE
+
+    text = (folder / "breakdown.md").read_text()
+    assert MEDIANS_NOTE in text
+    medians, means = _md_tables(text)
+    assert [r[0] for r in medians] == [r[0] for r in means] == [str(r) for r in range(ranks)]
+    for rank, row in enumerate(means):
+        step, *cells = (float(c.split()[0]) for c in row[2:])
+        assert sum(cells[:len(CATEGORIES)]) == pytest.approx(step, abs=0.05 * len(CATEGORIES))
+        measured = process_breakdown(load_spans(folder / f"trace-rank{rank}.json"))
+        assert step == pytest.approx(sum(r["step"] for r in measured) / len(measured), abs=0.05)
 
 
 def _overlap(bars, lo, hi):
@@ -205,6 +238,25 @@ def test_window_the_fit_does_not_finish_keeps_complete_steps(tiny_data_dir, tmp_
     assert "dp/step 3" in _names(tmp_path / "trace-rank0.json") and not labels.recording()
 
 
+def test_the_medians_table_says_why_it_does_not_add_up_and_the_means_do():
+    """Two made-up steps whose medians do not add up (the median step is 15 ms, its categories' medians 13 ms);
+    their means do, and breakdown.md shows both."""
+    from src.timeline.breakdown import mean_row, median_row
+    from src.timeline.report import MEDIANS_NOTE, markdown, table_rows
+
+    zeros = dict.fromkeys((*CATEGORIES, "hidden_communication", "gpu_busy"), 0.0)
+    steps = [dict(zeros, step=s, compute=c, communication=m, step_number=n)
+             for n, (s, c, m) in enumerate([(10, 8, 2), (20, 10, 10), (15, 15, 0)])]
+    median, mean = median_row(steps), mean_row(steps)
+    assert median["step"] == 15 and median["compute"] + median["communication"] == 12
+    assert mean["step"] == 15 and mean["compute"] + mean["communication"] == pytest.approx(15)
+    text = markdown(table_rows([median], [3]), "run", table_rows([mean], [3]))
+    assert MEDIANS_NOTE in text and "the median of a sum is not the sum of the medians" in text
+    medians, means = _md_tables(text)
+    assert medians[0][2:5] == ["15.0", "10.0 (67%)", "2.0 (13%)"]
+    assert means[0][2:5] == ["15.0", "11.0 (73%)", "4.0 (27%)"]
+
+
 def test_bad_window_is_refused():
     with pytest.raises(ValueError, match="steps >= 2"):
         StepTimeline(start_step=0, steps=1)
@@ -224,6 +276,7 @@ def test_profile_overlay_through_the_cli(tiny_data_dir, tmp_path, caplog):
     assert f"step timeline of training steps 20-24: {folder}/timeline.png" in caplog.text
     assert {p.name for p in folder.iterdir()} == {"trace-rank0.json", "timeline.png", "breakdown.md", "breakdown.csv"}
     _check_phases_drawn(folder, ranks=1)
+    _check_markdown_sums(folder, ranks=1)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(folder.parent))

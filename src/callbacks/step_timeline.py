@@ -21,7 +21,7 @@ from src.callbacks.epoch_report import say
 from src.run.lightning_compat import all_threads_profiler_config, run_first
 from src.layout import parallel_layout
 from src.timeline import labels
-from src.timeline.breakdown import STEP, median_row, process_breakdown, spans_of, step_number
+from src.timeline.breakdown import STEP, mean_row, median_row, process_breakdown, spans_of, step_number
 from src.timeline.report import csv_text, markdown, table_rows
 
 
@@ -35,7 +35,8 @@ class StepTimeline(pl.Callback):
     * `breakdown.md` and `breakdown.csv`: per process, the median step split into compute, exposed
       communication, waiting, loop overhead and unattributed time (ms and fraction of the step), with the
       communication hidden behind compute (`src.timeline.breakdown` defines each); the same as TensorBoard
-      scalars `timeline/rank<r>/<category>_ms`.
+      scalars `timeline/rank<r>/<category>_ms`. `breakdown.md` adds the means over the same steps, which add
+      up to the mean step where the medians need not.
 
     Nothing is profiled or labelled outside the window. Steps count training batches of this fit (a resumed fit
     counts from its restart). A window that the fit does not reach records nothing; one cut short by the end of
@@ -167,7 +168,7 @@ def _write(trainer: pl.Trainer, traces: list[str], first_step: int, complete: in
     root = dirpath or os.path.join(trainer.logger.log_dir if trainer.logger else trainer.default_root_dir, "timeline")
     out = Path(root)
     out.mkdir(parents=True, exist_ok=True)
-    processes, medians, counts = [], [], []
+    processes, medians, means, counts = [], [], [], []
     for rank, text in enumerate(traces):
         (out / f"trace-rank{rank}.json").write_text(text)
         spans = spans_of(json.loads(text))
@@ -175,11 +176,12 @@ def _write(trainer: pl.Trainer, traces: list[str], first_step: int, complete: in
         rows = process_breakdown(spans)
         processes.append(spans)
         medians.append(median_row(rows))
+        means.append(mean_row(rows))
         counts.append(len(rows))
     layout = parallel_layout(trainer.strategy)
     title = f"{layout.strategy}, {layout.describe()}"
     rows = table_rows(medians, counts)
-    (out / "breakdown.md").write_text(markdown(rows, title))
+    (out / "breakdown.md").write_text(markdown(rows, title, table_rows(means, counts)))
     (out / "breakdown.csv").write_text(csv_text(rows))
     figure = draw(processes, layout.replicas_per_process, title)
     figure.savefig(out / "timeline.png", dpi=100)

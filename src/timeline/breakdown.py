@@ -165,7 +165,7 @@ def process_breakdown(spans: list[Span]) -> list[dict[str, float]]:
 
 def median_row(rows: list[dict[str, float]]) -> dict[str, float]:
     """The median of every column over steps (medians are taken per column, so they need not sum to the
-    step's median).
+    step's median: `mean_row` gives figures that do).
 
     Raises:
         ValueError: If `rows` is empty (no complete step was recorded).
@@ -173,3 +173,14 @@ def median_row(rows: list[dict[str, float]]) -> dict[str, float]:
     if not rows:
         raise ValueError("the timeline recorded no complete training step")
     return {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step_number"}
+
+
+def mean_row(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of every column over steps: unlike the medians, the categories' means add up to the mean step.
+
+    Raises:
+        ValueError: If `rows` is empty (no complete step was recorded).
+    """
+    if not rows:
+        raise ValueError("the timeline recorded no complete training step")
+    return {k: statistics.fmean(r[k] for r in rows) for k in rows[0] if k != "step_number"}

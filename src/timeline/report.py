@@ -1,5 +1,6 @@
 """The per-step breakdown as a table: one row per process, medians over the recorded steps, in ms and as a
-fraction of the step (markdown for people, CSV for tools)."""
+fraction of the step (markdown for people, CSV for tools). The markdown adds the means over the same steps,
+which add up to the mean step where the medians need not."""
 
 import csv
 import io
@@ -25,16 +26,38 @@ def table_rows(medians: list[dict[str, float]], steps: list[int]) -> list[dict[s
     return rows
 
 
-def markdown(rows: list[dict[str, float | int]], title: str) -> str:
-    """A markdown table: "ms (percent of the step)" per category, one line per rank."""
+MEDIANS_NOTE = ("Each median is taken column by column over the recorded steps, so the categories' medians need "
+                "not add up to the median step: the median of a sum is not the sum of the medians. The means "
+                "below do add up (compute + exposed communication + waiting + loop overhead + unattributed = "
+                "step, up to rounding), since every step's categories sum to its length.")
+
+
+def markdown(rows: list[dict[str, float | int]], title: str,
+             mean_rows: list[dict[str, float | int]] | None = None) -> str:
+    """A markdown table: "ms (percent of the step)" per category, one line per rank; then `MEDIANS_NOTE` and,
+    if given, the same table of the means over the same steps.
+
+    Args:
+        rows: `table_rows` of the medians.
+        title: The run, in bold above the table.
+        mean_rows: `table_rows` of the means (`src.timeline.breakdown.mean_row`); None leaves that table out.
+    """
+    lines = _table(rows, f"**{title}** (median over the recorded steps; ms, and % of the step)")
+    lines += ["", MEDIANS_NOTE]
+    if mean_rows is not None:
+        lines += ["", *_table(mean_rows, "**Means** over the same steps (ms, and % of the mean step)")]
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[dict[str, float | int]], heading: str) -> list[str]:
+    """The lines of one markdown table of `table_rows`, under `heading`."""
     head = ["rank", "steps", *(HEADINGS[c] for c in COLUMNS)]
-    lines = [f"**{title}** (median over the recorded steps; ms, and % of the step)", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [heading, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [str(row["rank"]), str(row["steps"]), f"{row['step_ms']:.1f}"]
         cells += [f"{row[f'{c}_ms']:.1f} ({100 * row[f'{c}_fraction']:.0f}%)" for c in COLUMNS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def csv_text(rows: list[dict[str, float | int]]) -> str:
