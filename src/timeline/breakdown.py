@@ -18,10 +18,12 @@ Each instant of it is put in exactly one category, from the spans active on that
 The innermost span decides (the one that started last): an allreduce run from a backward hook counts as
 communication, not as the backward around it. (The picture, `src.timeline.picture`, splits compute into
 forward, backward and optimizer by the project's labels first, since torch's `Optimizer.step#...` span wraps
-the forward and backward that Lightning runs inside `optimizer.step(closure)`.) Separately, **hidden communication** is the time a collective
-ran on another thread while the loop's thread computed: communication that overlapped compute and cost no step
-time, and **GPU busy** is the time at least one GPU kernel, copy or memset ran during the step (0 on the CPU): a
-step much longer than its GPU busy time is bound by the host.
+the forward and backward that Lightning runs inside `optimizer.step(closure)`.)
+
+Separately, **hidden communication** is the time a collective ran on another thread while the loop's thread
+computed: communication that overlapped compute and cost no step time, and **GPU busy** is the time at least
+one GPU kernel, copy or memset ran during the step (0 on the CPU): a step much longer than its GPU busy time is
+bound by the host.
 """
 
 import json
