@@ -132,3 +132,10 @@ def test_lightnings_logging_interval_warning_is_replaced():
         for message in (hidden, shown):
             warnings.warn_explicit(message, UserWarning, "fit_loop.py", 321, module="lightning.pytorch.loops.fit_loop")
     assert [str(w.message) for w in caught] == [shown]
+
+
+def test_the_readme_shows_the_epoch_line_in_the_shape_a_run_prints():
+    """README.md's example epoch line matches the pattern the runs above are held to (numbers aside)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    examples = [line for line in readme.splitlines() if line.startswith("epoch ")]
+    assert examples and all(EPOCH_LINE.fullmatch(line) for line in examples), examples
