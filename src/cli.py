@@ -175,6 +175,24 @@ class CLI(LightningCLI):
             rank_zero_info(f"test acc {results[0]['test/acc']:.4f} ({'best' if best else 'last'} weights{images}), "
                            f"run in {self.trainer.log_dir}")
 
+    def after_validate(self) -> None:
+        _say_where_it_went(self.trainer, "val")
+
+    def after_test(self) -> None:
+        _say_where_it_went(self.trainer, "test")
+
+
+def _say_where_it_went(trainer: Any, stage: str) -> None:
+    """One line on stderr after `validate` or `test`, as fit's last line: the accuracy and the run's folder (e.g.
+    "test acc 0.9166 (10,000 test images), run in logs/lenet/test/single-1x1-cpu/version_0"), or that no folder
+    was written."""
+    acc = trainer.callback_metrics.get(f"{stage}/acc")
+    reports = [c for c in trainer.callbacks if isinstance(c, EpochReport)] if stage == "test" else []
+    images = f" ({reports[0].test_images:,} test images)" if reports else ""
+    words = f"{stage} acc {float(acc):.4f}{images}, " if acc is not None else ""
+    where = f"run in {trainer.log_dir}" if trainer.loggers else "no run folder written (trainer.logger is off)"
+    rank_zero_info(words + where)
+
 
 DEFAULTS = Path(__file__).resolve().parent.parent / "configs" / "defaults.yaml"
 

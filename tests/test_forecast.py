@@ -448,3 +448,32 @@ def test_compression_sends_what_the_strategies_count_and_shortens_the_predicted_
                                  algorithms=["ring"], compression=c), Overrides(link_rate="100mbit")).bands[0]
              for c in ("none", "bf16", "powersgd")}
     assert steps["none"].point.step_s > steps["bf16"].point.step_s > steps["powersgd"].point.step_s
+
+
+def test_the_forecast_says_which_precision_its_one_device_step_has(tiny, tmp_path, capsys):
+    """configs/resnet18.yaml trains in float32, but the h100-nvlink preset measured ResNet-18 in bf16-mixed only: the
+    output says the step's precision, that it is not the config's, and how to give a float32 step. Where a step of
+    the config's precision exists (LeNet's float32 H100 step, the CPU calibration, the GPU config), it says so."""
+    config, cal = tiny
+
+    def precision_line(*args) -> str:
+        out = main([*args, "--devices", "[1, 2]", "--calibration", str(cal), "--out", str(tmp_path / "fc")])
+        [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("precision:")]
+        assert f"- {line}" in (out / "forecast.md").read_text().splitlines()  # the notes hold it too
+        return line
+
+    line = precision_line("--config", "configs/resnet18.yaml", "--hardware", "h100-nvlink")
+    assert line.startswith("precision: bf16-mixed, not the config's 32-true: the h100 step of ResNet18Classifier")
+    assert "--measured_images_per_s" in line
+    assert precision_line("--config", "configs/resnet18_gpu.yaml", "--hardware", "h100-nvlink").startswith(
+        "precision: bf16-mixed, as the config asks")
+    assert precision_line("--config", "configs/lenet.yaml", "--hardware", "h100-nvlink").startswith(
+        "precision: 32-true, as the config asks: the h100 step of LeNetClassifier")
+    assert precision_line("--config", str(config), "--hardware", "cpu-2core").startswith(
+        "precision: 32-true, as the config asks: the CPU calibration's steps")
+    halved = tmp_path / "bf16.yaml"
+    halved.write_text(config.read_text() + "trainer:\n  precision: bf16\n")  # Lightning's short name
+    assert precision_line("--config", str(halved), "--hardware", "cpu-2core").startswith(
+        "precision: 32-true, not the config's bf16-mixed")
+    assert precision_line("--config", str(config), "--hardware", "h100-nvlink", "--measured_images_per_s",
+                          "1000") == "precision: that of your own step figures (the config asks for 32-true)"

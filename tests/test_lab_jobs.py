@@ -94,7 +94,7 @@ def test_two_machines_over_100mbit_equal_one_device(layout, tiny_data_dir, tmp_p
     print(f"lab job: {time.monotonic() - tic:.1f} s")
     machine0 = (tmp_path / "run" / "machine0.txt").read_text()
     assert code == 0, out + machine0[-6000:]
-    assert words in machine0, machine0[-3000:]
+    assert f"images/s, {folder.split('-')[0]}: {words}" in machine0, machine0[-3000:]  # strategy, then layout
     weights = _weights(tmp_path / "logs" / "lenet" / folder / "elastic-t")
     assert weights.keys() == one_device.keys()
     diff = max((w - one_device[k]).abs().max().item() for k, w in weights.items())

@@ -8,19 +8,23 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from src.layout import parallel_layout
+from src.run.log_steps import interval_note
 
 
 class EpochReport(pl.Callback):
     """Logs `time/epoch_s` (training seconds, validation excluded, as the d2l.ai chapters count it) and
     `throughput/images_per_s` (training images per second over all processes), then prints
-    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s, 1 process x 1 replica on cpu (2 threads)` on rank 0
-    (the layout as `ParallelLayout.words` names it; with the number of batches run when an epoch was cut short by
-    max_steps or limit_train_batches, or by a restart in it, which `RestartReport` names at the end).
+    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s, single: 1 process x 1 replica on cpu (2 threads)` on
+    rank 0: the strategy as the run folder names it (`single`, `ddp`, `split_allreduce`), so that DDP and ours on
+    the same layout print different lines, then the layout as `ParallelLayout.words` names it; with the number of
+    batches run when an epoch was cut short by max_steps or limit_train_batches, or by a restart in it, which
+    `RestartReport` names at the end.
 
     Every process logs rank 0's seconds and the images of all processes, so the logged values are the same on
     every process. Also logs the medians over the epochs so far, `hp/epoch_s_median` and
     `hp/images_per_s_median` (metrics of the HPARAMS table), counts the images of the last test run over all
-    processes (`test_images`) and keeps the training seconds of every epoch of this run in `epoch_seconds`
+    processes (`test_images`), says once when the run is shorter than the logging interval
+    (`src.run.log_steps.interval_note`), and keeps the training seconds of every epoch of this run in `epoch_seconds`
     (list of float).
     """
 
@@ -33,6 +37,9 @@ class EpochReport(pl.Callback):
         self.test_images = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        note = interval_note(trainer)  # a run shorter than the logging interval says what it will not log
+        if note is not None:
+            rank_zero_info(note)
         self.on_train_epoch_start(trainer, pl_module)  # a run resumed mid-epoch gets no on_train_epoch_start
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -72,13 +79,14 @@ class EpochReport(pl.Callback):
             pl_module.log(name, value, on_epoch=True, sync_dist=True, reduce_fx="max")
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
-        layout = parallel_layout(trainer.strategy).words(torch.get_num_threads())
+        layout = parallel_layout(trainer.strategy)
+        where = f"{layout.strategy}: {layout.words(torch.get_num_threads())}"
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         # callbacks with epoch_words (RestartReport: ", restart 1 at step 350, 10 steps redone") add theirs
         words = "".join(c.epoch_words(trainer.current_epoch) for c in trainer.callbacks if hasattr(c, "epoch_words"))
         say(trainer, f"epoch {trainer.current_epoch}: {acc}{seconds:.1f} sec/epoch{partial}, "
-                     f"{throughput:,.0f} images/s, {layout}{words}")
+                     f"{throughput:,.0f} images/s, {where}{words}")
 
 
 def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:

@@ -56,6 +56,12 @@ DDP_GRAD_STRIDES = r"Grad strides do not match bucket view strides"
 # GPU, IEEE float32 when a CPU replica shares the run, so the tip would only repeat a choice already made.
 TF32_TIP = "You are using a CUDA device"
 
+# Lightning warns when an epoch has fewer batches than `log_every_n_steps` (lightning/pytorch/loops/fit_loop.py,
+# `setup_data`). `EpochReport` says it instead, once, naming the per-step tags left out and the command-line option,
+# and also when `max_steps` makes the whole run shorter than the interval, which Lightning does not check
+# (src/run/log_steps.py).
+LOGGING_INTERVAL = r"The number of training batches \(\d+\) is smaller than the logging interval"
+
 # The loggers that `rank_zero_info` writes through (Lightning points lightning_utilities' helper at the last
 # of these that was imported)
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -77,7 +83,7 @@ def apply() -> None:
     warnings.filterwarnings("ignore", message=PYTREE_DEPRECATION, category=FutureWarning, module=PYTREE_MODULE)
     warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATION, category=FutureWarning,
                             module=ALL_GATHER_MODULE)
-    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH, DDP_GRAD_STRIDES):
+    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH, DDP_GRAD_STRIDES, LOGGING_INTERVAL):
         # matched by message alone: Lightning's rank_zero_warn and torch's C++ warnings are attributed to the
         # caller's frame, which differs between call sites
         warnings.filterwarnings("ignore", message=message)

@@ -34,6 +34,7 @@ from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_syn
 from src.scaling.report import newest_report
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
+from src.scaling.step_precision import config_precision, precision_line
 from src.scaling.versions import next_version
 
 Algorithm = Literal[ALGORITHMS]
@@ -222,6 +223,7 @@ class Forecast:
         model: Its name in folder names (the config's stem, or params-N).
         batch: The batch size (per device or global, per the question's batch mode).
         epoch_images: Training images per epoch.
+        precision: The line saying which precision the one-device step has and why (also in `notes`).
     """
 
     bands: list[BandPrediction]
@@ -230,6 +232,7 @@ class Forecast:
     model: str
     batch: int
     epoch_images: int
+    precision: str = ""
 
 
 def predict(question: Question = Question(), user: Overrides = Overrides(),
@@ -271,6 +274,10 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
                           line, overlap, bounds) for a in question.algorithms for d in question.devices]
     custom = question.network_params is not None
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
+    user_step = question.measured_images_per_s is not None or (user.seconds_per_image is not None
+                                                               and user.overhead_s is not None)
+    precision = precision_line(None if custom else config_precision(_experiment(question.config)), preset.device,
+                               net, user_step)
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
     notes = [
         _network_note(net, custom, messages),
@@ -278,6 +285,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         f"batch: {batch} images {scaling}; {epoch_images:,} images per epoch",
         f"compute per replica: {compute.overhead_s * 1e3:.3f} ms/step + {compute.seconds_per_image * 1e6:.2f} "
         f"us/image {compute_note}",
+        precision,
         f"intra-node link ({per_node} devices per node): {intra_note}",
         f"inter-node link ({achieved.nics or per_node} NICs per node, NCCL's rings over all of them): {inter_note}",
         f"overlap of exchange with backward: {overlap_note}; the range takes none (low) to full (high)",
@@ -285,7 +293,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         _sync_note(user.sync_overhead, question.precision, bounds),
         _EXCHANGE_NOTE,
     ]
-    return Forecast(bands, notes, net, model, batch, epoch_images)
+    return Forecast(bands, notes, net, model, batch, epoch_images, precision)
 
 
 def _network_and_batch(question: Question, user: Overrides) -> tuple[Network, int, int]:
@@ -346,7 +354,8 @@ _EXCHANGE_NOTE = ("exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005
 def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
     """Predict images/s and efficiency of `question.config` on its hardware for each device count and algorithm.
 
-    Prints one line per prediction (ms/step, images/s, efficiency) and writes forecast.md, forecast.csv and
+    Prints one line per prediction (ms/step, images/s, efficiency), then the precision of the one-device step
+    (`src.scaling.step_precision.precision_line`), and writes forecast.md, forecast.csv and
     forecast.png into a new <out>/<model>/version_N/ (nothing is written if an input is bad).
 
     Args:
@@ -376,6 +385,7 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     for r in rows:
         print(f"{r.algorithm:>16} {r.devices:>6} devices: {r.step_ms:9.3f} ms/step, {r.images_per_s:>13,.0f} "
               f"images/s, efficiency {r.efficiency:.3f} (range {r.efficiency_low:.3f} to {r.efficiency_high:.3f})")
+    print(result.precision)
     print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png")
     return root
 

@@ -173,14 +173,15 @@ class DevicePreset:
         peak_flops: Peak dense FLOP/s for training at the precision named in `description` (0 for the CPU).
         source: Where the peak comes from.
         measured_steps: Measured seconds per training step at a batch, keyed by LightningModule class name:
-            (batch, seconds, how measured). Empty when nothing was measured on this device.
+            (batch, seconds, Lightning precision it ran in, how measured). Empty when nothing was measured on this
+            device.
     """
 
     name: str
     description: str
     peak_flops: float
     source: str
-    measured_steps: dict[str, tuple[int, float, str]]
+    measured_steps: dict[str, tuple[int, float, str, str]]
 
 
 _GPU_CHECK = ("measured: python -m benchmarks.gpu_check on one H100 80GB HBM3, 2026-11-22, real Trainer, median "
@@ -190,14 +191,15 @@ DEVICES: dict[str, DevicePreset] = {d.name: d for d in [
     DevicePreset("h100", "NVIDIA H100 SXM5, bf16 dense tensor cores", 989e12,
                  "NVIDIA H100 datasheet (989 TFLOPS bf16 dense, 1,979 with sparsity), "
                  "https://www.nvidia.com/en-us/data-center/h100/",
-                 {"LeNetClassifier": (256, 4.63e-3, f"float32; {_GPU_CHECK}"),
-                  "ResNet18Classifier": (256, 10.96e-3, f"bf16-mixed; {_GPU_CHECK}")}),
+                 {"LeNetClassifier": (256, 4.63e-3, "32-true", f"float32; {_GPU_CHECK}"),
+                  "ResNet18Classifier": (256, 10.96e-3, "bf16-mixed", f"bf16-mixed; {_GPU_CHECK}")}),
     # the H100's Hopper chip with more and faster memory (141 GB HBM3e); its ResNet-18 step measured here,
     # LeNet's left to the scaling rule (a LeNet step on a GPU is almost all host overhead)
     DevicePreset("h200", "NVIDIA H200 SXM, bf16 dense tensor cores", 989e12,
                  "NVIDIA H200 datasheet (989 TFLOPS bf16 dense, as the H100), "
                  "https://www.nvidia.com/en-us/data-center/h200/",
-                 {"ResNet18Classifier": (256, 10.37e-3, "bf16-mixed, configs/resnet18_gpu.yaml; measured: python "
+                 {"ResNet18Classifier": (256, 10.37e-3, "bf16-mixed",
+                                         "bf16-mixed, configs/resnet18_gpu.yaml; measured: python "
                                          "-m benchmarks.gpu_speed on one H200, 2026-11-26, the CLI's step, median "
                                          "of 2 rounds of 100 steps (benchmarks/README.md, 'The whole speed "
                                          "benchmark on one H200')")}),

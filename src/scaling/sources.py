@@ -179,7 +179,7 @@ def reference_gpu(networks: dict[str, Network]) -> tuple[float, float]:
         KeyError: A network measured on the reference GPU is missing from `networks`.
     """
     steps = DEVICES[REFERENCE_GPU].measured_steps
-    points = [(b * networks[name].train_flops_per_image, t) for name, (b, t, _) in steps.items()]
+    points = [(b * networks[name].train_flops_per_image, t) for name, (b, t, _, _) in steps.items()]
     overhead, seconds_per_flop = fit_line(points)
     return overhead, 1.0 / seconds_per_flop
 
@@ -218,7 +218,7 @@ def resolve_compute(device: str, net: Network, calibration: str, seconds_per_ima
     ref_overhead, ref_rate = reference_gpu(ref)
     preset = DEVICES[device]
     if net.class_name in preset.measured_steps:
-        batch, seconds, how = preset.measured_steps[net.class_name]
+        batch, seconds, _, how = preset.measured_steps[net.class_name]
         per_image = (seconds - ref_overhead) / batch
         note = (f"[measured] step {seconds * 1e3:.2f} ms at batch {batch} ({how}); overhead "
                 f"{ref_overhead * 1e3:.2f} ms/step and {ref_rate / 1e12:.0f} TFLOP/s achieved from the "

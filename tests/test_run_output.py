@@ -1,0 +1,141 @@
+"""What a run prints tells runs apart and says where its output went, and a run shorter than the logging interval
+says which scalars it does not write (checked in its TensorBoard event files)."""
+
+import logging
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from src.cli import main, run
+from src.run import quiet
+
+LENET = ["--config", "configs/lenet.yaml"]
+OURS = ["--config", "configs/strategy/split_allreduce.yaml"]  # 2 replicas in this process
+# the shape of the epoch line as README.md shows it (numbers aside)
+EPOCH_LINE = re.compile(r"epoch (\d+): val acc \d\.\d{3}, \d+\.\d sec/epoch( \(\d+ of [\d,]+ batches\))?, "
+                        r"[\d,]+ images/s, (single|ddp|split_allreduce): (\d+) process(es)? x (\d+) replicas? on cpu "
+                        r"\(\d+ threads?( each)?\)")
+
+
+def _lines(caplog, start: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+
+def _scalars(run: Path) -> dict[str, list[int]]:
+    """Each scalar tag of a run folder's event files, with the steps it was written at."""
+    found: dict[str, list[int]] = {}
+    for events in sorted(run.glob("events.out.tfevents.*")):
+        ea = EventAccumulator(str(events))
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            found.setdefault(tag, []).extend(e.step for e in ea.Scalars(tag))
+    return found
+
+
+@pytest.fixture
+def leaves_no_process_group():
+    """DDP in this process sets MASTER_ADDR and the like and opens a gloo group of one: both are undone after the
+    test, so no later test in this process runs as if distributed."""
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("strategy, overlay, layout", [
+    ("single", [], ("1", "1")),
+    ("split_allreduce", OURS, ("1", "2")),
+    ("ddp", ["--trainer.strategy", "ddp", "--trainer.devices", "1"], ("1", "1")),  # DDP's one process, in this one
+])
+def test_the_epoch_line_names_the_strategy_beside_the_layout(strategy, overlay, layout, fast_args, caplog,
+                                                             leaves_no_process_group):
+    with caplog.at_level(logging.INFO):
+        main(["fit", *LENET, *overlay, *fast_args, "--test_after_fit", "false"])
+    [line] = _lines(caplog, "epoch 0:")
+    match = EPOCH_LINE.fullmatch(line)
+    assert match, line
+    assert match.group(3) == strategy and (match.group(4), match.group(6)) == layout, line
+
+
+def test_validate_test_and_predict_say_where_their_output_went(fast_args, tmp_path, caplog):
+    main(["fit", *LENET, *fast_args, "--test_after_fit", "false"])
+    trained = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0"
+    common = ["--config", str(trained / "config.yaml"), "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")]
+    for command, words in (("validate", "val acc"), ("test", "test acc")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert run([command, *common]) == 0
+        [line] = _lines(caplog, words)
+        printed = re.fullmatch(rf"{words} \d\.\d{{4}}( \([\d,]+ test images\))?, run in (.+)", line)
+        assert printed, line
+        folder = Path(printed.group(2))
+        assert folder == tmp_path / "logs" / "lenet" / command / "single-1x1-cpu" / "version_0"
+        assert list(folder.glob("events.out.tfevents.*")), f"{command} printed {folder}, which holds no run"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert run(["predict", *common, "--trainer.default_root_dir", str(tmp_path / "out")]) == 0
+    [line] = _lines(caplog, "predictions:")
+    csv = Path(re.fullmatch(r"predictions: [\d,]+ rows written to (.+)", line).group(1))
+    assert csv == tmp_path / "out" / "lenet" / "predict" / "predictions_0.csv" and csv.is_file()
+
+
+def test_a_run_shorter_than_the_logging_interval_says_so_and_writes_no_step_scalars(fast_args, tmp_path, caplog):
+    """3 training steps under ours with the default interval of 50: no train/loss_step and no comm/* in the event
+    files, and one line that names the option. With an interval of 1 both are written, and nothing is said."""
+    short = [*LENET, *OURS, *fast_args, "--test_after_fit", "false"]
+    with caplog.at_level(logging.INFO):
+        main(["fit", *short])
+    [note] = _lines(caplog, "logging:")
+    assert "3 training steps reach no logging step" in note and "--trainer.log_every_n_steps 3 or lower" in note
+    assert "train/loss_step" in note and "comm/*" in note
+    tags = _scalars(tmp_path / "logs" / "lenet" / "split_allreduce-1x2-cpu" / "version_0")
+    assert "train/loss_epoch" in tags and "val/acc" in tags  # epoch scalars do not wait for a logging step
+    assert not [t for t in tags if t == "train/loss_step" or t.startswith("comm/")], sorted(tags)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        main(["fit", *short, "--trainer.log_every_n_steps", "1"])
+    assert not _lines(caplog, "logging:")
+    tags = _scalars(tmp_path / "logs" / "lenet" / "split_allreduce-1x2-cpu" / "version_1")
+    assert tags["train/loss_step"] == [0, 1, 2] and tags["comm/bytes_sent_per_device_max"] == [0, 1, 2]
+
+
+def test_epochs_shorter_than_the_interval_log_steps_across_epochs(fast_args, tmp_path, caplog):
+    """2 epochs of 3 steps at an interval of 4: the per-step scalars are written at the run's 4th step only (step
+    index 3, in the second epoch), and the run says so once."""
+    with caplog.at_level(logging.INFO):
+        main(["fit", *LENET, *fast_args, "--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "4",
+              "--test_after_fit", "false"])
+    [note] = _lines(caplog, "logging:")
+    assert "an epoch has 3 training steps, fewer than the logging interval of 4" in note, note
+    assert "written every 4 steps of the run, not in every epoch" in note
+    tags = _scalars(tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0")
+    assert tags["train/loss_step"] == [3] and len(tags["train/loss_epoch"]) == 2
+
+
+def test_lightnings_logging_interval_warning_is_replaced():
+    """Lightning's own warning (lightning/pytorch/loops/fit_loop.py) is hidden, since the run's line above says
+    more; a neighbouring warning still shows."""
+    hidden = ("The number of training batches (3) is smaller than the logging interval Trainer(log_every_n_steps=50)."
+              " Set a lower value for log_every_n_steps if you want to see logs for the training epoch.")
+    shown = "The number of training batches (3) is smaller than something else"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        quiet.apply()
+        for message in (hidden, shown):
+            warnings.warn_explicit(message, UserWarning, "fit_loop.py", 321, module="lightning.pytorch.loops.fit_loop")
+    assert [str(w.message) for w in caught] == [shown]
+
+
+def test_the_readme_shows_the_epoch_line_in_the_shape_a_run_prints():
+    """README.md's example epoch line matches the pattern the runs above are held to (numbers aside)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    examples = [line for line in readme.splitlines() if line.startswith("epoch ")]
+    assert examples and all(EPOCH_LINE.fullmatch(line) for line in examples), examples
