@@ -128,6 +128,7 @@ class SavedStepsToFile(LastCheckpoint):
                 f.write(f"{trainer.global_step}\n")
 
 
+@pytest.mark.slow  # starts two DDP processes
 def test_time_trigger_across_processes_is_agreed_every_log_every_n_steps(tiny_data_dir, tmp_path):
     """Two gloo processes, the clock due after every step: they agree (one sum) every 3 steps only, so the saves
     are at steps 3 and 6, then at the end of the epoch max_steps cut short."""
