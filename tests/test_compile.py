@@ -4,6 +4,7 @@ torch.compile machinery as TorchInductor but skips code generation, so these run
 
 import copy
 
+import pytest
 import torch
 
 from src.models.classifier import LeNetClassifier
