@@ -15,6 +15,20 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _find_stubs_now() -> None:
+    """jsonargparse resolves signatures through typeshed_client, whose search context runs
+    `python -c "...print(json.dumps(sys.path))"` once per process, at the first parser built, and is kept for the
+    process's life. Build it here, at collection, outside every test, so that no in-process CLI test starts that
+    process (tests/helpers/process_guard.py fails a test that starts one without the `slow` marker)."""
+    from jsonargparse import _optionals, _stubs_resolver
+
+    if _optionals.typeshed_client_support:
+        _stubs_resolver.get_stubs_resolver()
+
+
+_find_stubs_now()
+
+
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory):
     """A data_dir holding 600 train / 200 test synthetic images in FashionMNIST/raw/ (shared, read-only)."""

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow  # starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP, STEPS = 4, 10
-BF16_FRACTION = 1.0
+# bf16 compression: ours' parameters lie at most this fraction of one device's movement from one device's (Euclidean,
+# all parameters). Measured 0.0055 after 5 float64 LeNet steps (0.046 apart, moved 8.38) on a 2-core CPU; 3.6x that
+BF16_FRACTION = 0.02
 N = sum(p.numel() for p in LeNetClassifier().parameters())  # gradient numbers per replica
 
 
@@ -95,7 +97,7 @@ def test_bf16_sends_a_quarter_of_float64_and_keeps_both_processes_identical(tiny
     _assert_all_equal([r["final"] for r in ranks])
     single = _single_at(tiny_data_dir, 5)
     # bf16's rounding of the exchanged gradients: a difference from one device (float64), but a small fraction of
-    # how far the 5 steps moved the weights (measured on a 2-core CPU: RATIO_MEASURED of it)
+    # how far the 5 steps moved the weights (BF16_FRACTION)
     off, moved = param_distance(model, single), param_distance(single, seeded_model())
     print(f"bf16-compressed exchange, 2 processes against one device after 5 steps: {off:.3g} apart, moved "
           f"{moved:.3g} (ratio {off / moved:.3g})")
