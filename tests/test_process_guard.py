@@ -35,6 +35,19 @@ def test_popen_marked():
 
 def test_nothing_started():
     assert True
+
+
+@pytest.fixture(scope="module")
+def server():
+    return subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_module_fixture_unmarked(server):
+    assert server.returncode == 0
+
+
+def test_module_fixture_again(server):  # the fixture's process started for the test before
+    assert server.returncode == 0
 '''
 
 
@@ -43,12 +56,13 @@ def test_an_unmarked_test_that_starts_a_process_fails_naming_itself_and_the_fix(
     pytester.makeini("[pytest]\nmarkers =\n    slow: starts processes\n")
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_inprocess("-p", "tests.helpers.process_guard", "-p", "no:randomly", "-p", "no:xdist")
-    result.assert_outcomes(passed=4, errors=2)  # each failing test passes its call and fails at teardown
+    result.assert_outcomes(passed=6, errors=3)  # each failing test passes its call and fails at teardown
     out = result.stdout.str()
-    for name in ("test_popen_unmarked", "test_child_unmarked"):
+    for name in ("test_popen_unmarked", "test_child_unmarked", "test_module_fixture_unmarked"):
         assert f"test_inner.py::{name} starts 1 process(es) but is not marked slow" in out, out
     assert "Add @pytest.mark.slow" in out
-    assert "test_popen_marked starts" not in out and "test_nothing_started starts" not in out
+    for name in ("test_popen_marked", "test_nothing_started", "test_module_fixture_again"):
+        assert f"{name} starts" not in out, out
 
 
 @pytest.mark.slow  # starts a process

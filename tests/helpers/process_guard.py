@@ -1,15 +1,16 @@
 """Fails every test that starts a process of its own without the `slow` marker, so `-m "not slow"` starts none.
 
-Loaded by tests/conftest.py (the fixture is imported there) and usable as a pytest plugin
+Loaded by tests/conftest.py (the fixture and hooks are imported there) and usable as a pytest plugin
 (`-p tests.helpers.process_guard`). What counts as a start: `subprocess.Popen` (and so `subprocess.run`,
 `check_output`, ...) and `multiprocessing`'s `Process.start` in any context (fork, spawn, forkserver; and so
 `torch.multiprocessing.spawn`, Lightning's spawned DDP processes, process pools). pytest-xdist's own workers are
 started by the controller before any test runs, outside every test, so they never count.
 
 A start is recorded, not refused: the test runs exactly as it would without the guard (refusing could be caught
-and turned into some other failure by the code under test), and fails at teardown with a message naming it.
-Processes started by fixtures wider than a function's (module or session scope) are set up before this fixture
-and are not seen.
+and turned into some other failure by the code under test), and fails at teardown with a message naming it. Two
+hook wrappers record the test's setup (every fixture it requests, whatever their scope: a module-scoped fixture
+that starts a process counts for the first test that sets it up) and its call; the autouse fixture checks both
+at teardown.
 """
 
 import multiprocessing.process
@@ -68,12 +69,34 @@ def unmarked_start_message(nodeid: str, slow: bool, starts: list[str]) -> str | 
             f"  {shown}\nAdd @pytest.mark.slow to the test (or pytestmark = pytest.mark.slow to its module).")
 
 
-@pytest.fixture(autouse=True)
-def only_slow_tests_start_processes(request) -> Iterator[None]:
-    """Autouse: fail the test at teardown if it started a process without the `slow` marker."""
+_STARTS = pytest.StashKey[dict[str, list[str]]]()
+
+
+def _record(item: pytest.Item, phase: str) -> Iterator[None]:
     with recorded_process_starts() as starts:
         yield
-    message = unmarked_start_message(request.node.nodeid, request.node.get_closest_marker("slow") is not None,
-                                     list(starts))
+    item.stash.setdefault(_STARTS, {})[phase] = list(starts)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """Record the processes started while the test's fixtures are set up."""
+    yield from _record(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Record the processes started while the test runs."""
+    yield from _record(item, "call")
+
+
+@pytest.fixture(autouse=True)
+def only_slow_tests_start_processes(request) -> Iterator[None]:
+    """Autouse: fail the test at teardown if its setup or call started a process without the `slow` marker."""
+    yield
+    item = request.node
+    phases = item.stash.get(_STARTS, {})
+    starts = [*phases.get("setup", []), *phases.get("call", [])]
+    message = unmarked_start_message(item.nodeid, item.get_closest_marker("slow") is not None, starts)
     if message:
         pytest.fail(message, pytrace=False)
