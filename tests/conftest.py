@@ -7,11 +7,27 @@ import torch
 
 from tests.helpers import cli_args
 from tests.helpers.idx import write_fashion_mnist
+from tests.helpers.process_guard import (  # noqa: F401 (an autouse fixture and two hooks, found here by name)
+    only_slow_tests_start_processes, pytest_runtest_call, pytest_runtest_setup)
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 # One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
 # cores), so no run's thread count depends on how busy the machine is (src/run/threads.py)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _find_stubs_now() -> None:
+    """jsonargparse resolves signatures through typeshed_client, whose search context runs
+    `python -c "...print(json.dumps(sys.path))"` once per process, at the first parser built, and is kept for the
+    process's life. Build it here, at collection, outside every test, so that no in-process CLI test starts that
+    process (tests/helpers/process_guard.py fails a test that starts one without the `slow` marker)."""
+    from jsonargparse import _optionals, _stubs_resolver
+
+    if _optionals.typeshed_client_support:
+        _stubs_resolver.get_stubs_resolver()
+
+
+_find_stubs_now()
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ class RecordCleanup(pl.Callback):
         (Path(self.folder) / f"rank{trainer.global_rank}").write_text(str(is_registered()))
 
 
+@pytest.mark.slow  # starts a python process
 def test_importing_the_package_registers_nothing():
     code = ("import src, src.strategies, src.strategies.comm; from src.run import cleanup; "
             "print(cleanup.is_registered())")

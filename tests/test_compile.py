@@ -4,6 +4,7 @@ torch.compile machinery as TorchInductor but skips code generation, so these run
 
 import copy
 
+import pytest
 import torch
 
 from src.models.classifier import LeNetClassifier
@@ -36,6 +37,7 @@ def test_a_copy_compiles_its_own_network():
     assert replica.__dict__["_compiled_net"]._orig_mod is replica.net
 
 
+@pytest.mark.slow  # starts two DDP processes
 def test_compiled_replicas_and_ddp_equal_single_device(tiny_data_dir):
     single, _, _ = fit(tiny_data_dir, steps=6, batch_size=32)
     ours, _, snap = fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=6, batch_size=32,

@@ -108,6 +108,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # starts ip, tc and processes in the lab
 @needs_lab
 def test_two_labs_at_once_have_their_own_names_and_leave_nothing_behind():
     before = _root_links()

@@ -15,6 +15,7 @@ from src.run import progress
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # starts the CLI in a process
 def test_fit_into_a_file_writes_lines_not_a_bar(fast_args, tmp_path):
     flag = fast_args.index("--trainer.enable_progress_bar")
     args = fast_args[:flag] + fast_args[flag + 2:]  # the bar left at its default, as a user runs the CLI

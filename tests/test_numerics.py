@@ -80,6 +80,7 @@ def test_nonfinite_loss_can_be_skipped(tiny_data_dir, strategy):
     assert_replicas_bitwise_equal(snap, 1 if strategy == "single" else 2)
 
 
+@pytest.mark.slow  # starts two DDP processes
 def test_skip_is_refused_under_ddp(tiny_data_dir):
     with pytest.raises(Exception, match="nonfinite_loss: skip is not supported with several processes"):
         fit(tiny_data_dir, ddp(), devices=2, model_kwargs={"nonfinite_loss": "skip"}, steps=2)

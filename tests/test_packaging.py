@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test runs python (or pip) in a process of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lightning")
 

@@ -172,6 +172,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.slow  # starts the CLI in a process
 def test_a_decompression_bomb_is_refused_before_decoding(fast_args, tmp_path):
     folder = tmp_path / "bomb"
     folder.mkdir()

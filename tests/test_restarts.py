@@ -3,6 +3,9 @@ time trigger of last.ckpt, and checkpoints from before the restart report: in-pr
 
 
 
+import time
+from datetime import timedelta
+
 import pytest
 from jsonargparse import Namespace
 import torch
@@ -114,28 +117,46 @@ def test_time_trigger_saves_between_step_triggers(tiny_data_dir, tmp_path):
         LastCheckpoint(every_n_minutes=0)
 
 
-class SavedStepsToFile(LastCheckpoint):
-    """LastCheckpoint that appends the global step of every save to a file (rank 0; DDP's spawned processes)."""
+class OneRankDue(LastCheckpoint):
+    """LastCheckpoint whose clock is due after every step on rank `due_rank` and never on the other ranks (an hour
+    between saves, a run of seconds). Every rank appends to `<record>/rank<r>.txt` the global step of each save it
+    takes part in ("save <step>") and, at each step, whether its own clock was due ("due <step>" / "not <step>")."""
 
-    def __init__(self, record: str, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.record = record
+    def __init__(self, record: str, due_rank: int, **kwargs) -> None:
+        super().__init__(every_n_train_steps=0, every_n_minutes=60.0, **kwargs)
+        self.record, self.due_rank = record, due_rank
+
+    def _write(self, trainer, line: str) -> None:
+        with open(f"{self.record}/rank{trainer.global_rank}.txt", "a") as f:
+            f.write(line + "\n")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.due_rank:
+            self._saved_at = float("-inf")  # this rank's clock: the last save was infinitely long ago
+        due = time.monotonic() - self._saved_at >= 60.0 * self.every_n_minutes
+        self._write(trainer, f"{'due' if due else 'not'} {trainer.global_step}")
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        if trainer.is_global_zero:
-            with open(self.record, "a") as f:
-                f.write(f"{trainer.global_step}\n")
+        self._write(trainer, f"save {trainer.global_step}")
 
 
+@pytest.mark.slow  # starts two DDP processes
 def test_time_trigger_across_processes_is_agreed_every_log_every_n_steps(tiny_data_dir, tmp_path):
-    """Two gloo processes, the clock due after every step: they agree (one sum) every 3 steps only, so the saves
-    are at steps 3 and 6, then at the end of the epoch max_steps cut short."""
-    record = tmp_path / "saved.txt"
-    by_time = SavedStepsToFile(str(record), every_n_train_steps=0, every_n_minutes=1e-6, dirpath=str(tmp_path / "t"))
-    fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=32, callbacks=[by_time], enable_checkpointing=True,
-        log_every_n_steps=3)
-    assert record.read_text().split() == ["3", "6", "7"]
+    """Two gloo processes whose clocks disagree: rank 1's is due after every step, rank 0's never. They agree
+    (one sum) every 3 steps only, and save together: both at steps 3 and 6, then at the end of the epoch max_steps
+    cut short. Were each rank to decide alone, rank 1 would save alone and rank 0 not at all (and the save's
+    barrier would pair with the other rank's gradient allreduce)."""
+    by_time = OneRankDue(str(tmp_path), due_rank=1, dirpath=str(tmp_path / "t"))
+    fit(tiny_data_dir, ddp(timeout=timedelta(seconds=60)), devices=2, steps=7, batch_size=32, callbacks=[by_time],
+        enable_checkpointing=True, log_every_n_steps=3)
+    lines = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    # the control: the clocks did disagree at every step
+    assert [line.split()[0] for line in lines[0] if not line.startswith("save")] == ["not"] * 7
+    assert [line.split()[0] for line in lines[1] if not line.startswith("save")] == ["due"] * 7
+    for rank in (0, 1):
+        assert [line for line in lines[rank] if line.startswith("save")] == ["save 3", "save 6", "save 7"], lines
 
 
 def test_checkpoint_without_restart_state_and_with_an_old_callback_key_still_resumes(tiny_data_dir, tmp_path):

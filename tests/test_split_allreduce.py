@@ -8,12 +8,16 @@ from src.callbacks import StrategyMetrics
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
+from tests.helpers.runs import (StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff, param_distance,
+                                seeded_model)
 from tests.helpers.shards import ShardSizes
 
 CPU = "cpu"
 # float64 runs differ from one device only by the order of the gradient sums: about 1e-14 after 20 steps
 EXACT = 1e-9
+# bf16-mixed: ours' parameters lie at most this fraction of one device's movement from one device's (Euclidean, all
+# parameters). Measured 0.0102 after 5 LeNet steps at lr 0.01 (0.0132 apart, moved 1.29) on a 2-core CPU; 3x that
+BF16_FRACTION = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +166,13 @@ def test_bf16_mixed_keeps_replicas_in_sync(tiny_data_dir):
     model, trainer, snap = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=5,
                                precision="bf16-mixed", model_kwargs={"lr": 0.01})
     assert_replicas_bitwise_equal(snap, 2)
-    assert max_param_diff(model, ref) < 1e-2  # bf16 forward: equal up to bf16 rounding of differently sized matmuls
+    # bf16 forward: equal to one device up to bf16 rounding of differently sized matmuls, a small fraction of how
+    # far the 5 steps moved the weights (BF16_FRACTION)
+    moved = param_distance(ref, seeded_model(model_kwargs={"lr": 0.01}, precision="bf16-mixed"))
+    off = param_distance(model, ref)
+    print(f"bf16-mixed, ours 1x2 against one device after 5 steps: {off:.3g} apart, moved {moved:.3g} "
+          f"(ratio {off / moved:.3g})")
+    assert off <= BF16_FRACTION * moved, (off, moved)
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
 
 

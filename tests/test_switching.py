@@ -30,6 +30,7 @@ def one_thread_per_process(monkeypatch):
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # starts two DDP processes
 def test_single_ours_and_ddp_take_the_same_steps(tiny_data_dir, one_thread_per_process):
     single, _, _ = fit(tiny_data_dir, steps=10, batch_size=32)
     ours, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=10, batch_size=32)
@@ -44,6 +45,7 @@ def test_single_ours_and_ddp_take_the_same_steps(tiny_data_dir, one_thread_per_p
     assert max_param_diff(single, seeded_model()) > 1e-2  # the runs really trained: they left the seeded start
 
 
+@pytest.mark.slow  # starts two DDP processes
 @pytest.mark.parametrize("first, then", [("ddp", "ours"), ("ours", "ddp")])
 def test_checkpoints_resume_across_strategies(tiny_data_dir, tmp_path, first, then):
     make = {"ddp": lambda: (ddp(), 2), "ours": lambda: (SplitAllreduceStrategy(devices=["cpu", "cpu"]), 1)}

@@ -120,7 +120,7 @@ def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
     assert not labels.recording()
 
 
-@pytest.mark.slow  # spawns 2 processes
+@pytest.mark.slow  # starts two DDP processes
 def test_ddp_two_processes(tiny_data_dir, tmp_path):
     fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=24, callbacks=[StepTimeline(start_step=2, steps=3,
                                                                           dirpath=str(tmp_path / "tl"))])

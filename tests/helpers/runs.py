@@ -28,6 +28,17 @@ class ReplicaSnapshot(pl.Callback):
         self.states = [{k: v.detach().cpu().clone() for k, v in r.state_dict().items()} for r in replicas]
 
 
+class StartingWeights(pl.Callback):
+    """Keeps the module's parameters (on CPU) at the start of fit, before the first step: the untrained control that
+    tells a run that trained from one that hardly moved."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.state = {k: p.detach().cpu().clone() for k, p in pl_module.named_parameters()}
+
+
 def seeded_model(model_cls=LeNetClassifier, model_kwargs: dict | None = None,
                  precision: str = "64-true") -> pl.LightningModule:
     """The model `fit` starts from, before any step: seed 0, lr 0.05, momentum 0.9 unless `model_kwargs` say
@@ -87,6 +98,23 @@ def ddp(**kwargs):
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     """Largest absolute difference between corresponding parameters of two models."""
     return max((p.detach().cpu() - q.detach().cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def param_distance(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """Euclidean distance between two models' parameters, all of them as one float64 vector.
+
+    Used as `param_distance(ours, reference) <= c * param_distance(reference, seeded_model(...))`: a bound on a
+    rounding difference relative to how far the training moved the weights, which an absolute bound cannot tell
+    from a run that hardly moved.
+    """
+    squares = sum(((p.detach().cpu().double() - q.detach().cpu().double()) ** 2).sum()
+                  for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    return float(squares) ** 0.5
+
+
+def state_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys) -> float:
+    """Euclidean distance between two state dicts over `keys` (e.g. the parameter names), as one float64 vector."""
+    return float(sum(((a[k].double() - b[k].double()) ** 2).sum() for k in keys)) ** 0.5
 
 
 def assert_replicas_bitwise_equal(snapshot: ReplicaSnapshot, expected: int) -> None:
