@@ -56,10 +56,11 @@ def _check_not_misplaced(data_dir: Path, raw: Path) -> None:
     Raises:
         DataUnavailableError: The four IDX files are in `data_dir` itself or in `data_dir/raw/`.
     """
-    for found, root in ((data_dir / "raw", data_dir.parent), (data_dir, None)):
+    for found in (data_dir / "raw", data_dir):
         if found != raw and all((found / name).is_file() for name in RAW_FILES):
+            root = found.parent.parent  # the data_dir that holds these files as FashionMNIST/raw/
             fix = f"set data.data_dir {root} (the folder that holds FashionMNIST/raw/)" \
-                if root is not None and data_dir.name == "FashionMNIST" else f"move them into {raw}/"
+                if (found.name, found.parent.name) == ("raw", "FashionMNIST") else f"move them into {raw}/"
             raise DataUnavailableError(f"data.data_dir {data_dir} has no FashionMNIST/raw/ folder, but the dataset's "
                                        f"IDX files are in {found}/: {fix}")
 

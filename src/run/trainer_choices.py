@@ -16,10 +16,11 @@ CPU_OVERLAYS = ("--trainer.accelerator cpu (one device), --config configs/strate
 def strategy_names() -> list[str]:
     """Every `trainer.strategy` name this tool runs: `auto`, and the registered names of one device, Lightning's
     DDP (with its start methods and our compressed variants) and `split_allreduce`; deepspeed, fsdp and xla are
-    registered by Lightning but refused by `src.layout.parallel_layout`."""
+    registered by Lightning (DeepSpeed, XLA and TPU subclass DDP and single-device) but need libraries and
+    hardware this tool does not set up."""
     names = [name for name in StrategyRegistry.available_strategies()
-             if issubclass(cls := StrategyRegistry[name]["strategy"], (DDPStrategy, SingleDeviceStrategy))
-             or hasattr(cls, "parallel_layout")]
+             if (issubclass(cls := StrategyRegistry[name]["strategy"], (DDPStrategy, SingleDeviceStrategy))
+                 or hasattr(cls, "parallel_layout")) and not re.search("DeepSpeed|XLA|TPU", cls.__name__)]
     return ["auto", *names]
 
 

@@ -28,7 +28,7 @@ from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
-from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, shaped
+from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, list_choices_in_help, shaped
 from src.scaling.network import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
@@ -402,6 +402,7 @@ def main(args: list[str] | None = None) -> Path:
     parser = ArgumentParser(prog="python -m src.forecast", description=__doc__.split("\n\n")[0])
     for group in (Question, Overrides, Paths, Calibration):
         parser.add_class_arguments(group, None)
+    list_choices_in_help(parser)
     args = list(sys.argv[1:] if args is None else args)
     # a bare --calibrate is a flag; jsonargparse's bool options want a value
     args = [a for i, a in enumerate(args) for a in (
