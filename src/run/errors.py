@@ -54,9 +54,11 @@ class RaisingArgumentParser(LightningArgumentParser):
             suggestions = difflib.get_close_matches(unknown.group(1), sorted(keys), n=3, cutoff=0.75)
             source = file_with_key(unknown.group(1).split("."), argv, folder)
             message = f"config file {source}: {message}" if source else message
-            if "." not in unknown.group(1) and not suggestions:
-                tops = sorted({k.split(".")[0] for k in keys} - {"config", "print_config", "print_shtab", "subcommand"})
-                message += f"; a config's top-level keys are {', '.join(tops)} (see configs/lenet.yaml)"
+            tops = sorted({k.split(".")[0] for k in keys} - {"config", "print_config", "print_shtab", "subcommand"})
+            top = unknown.group(1).split(".")[0]
+            if top not in tops and not suggestions:  # e.g. a YAML file of another tool
+                message += f"; {top!r} is not a config key: a config's top-level keys are {', '.join(tops)} (see " \
+                           "configs/lenet.yaml)"
         raise ConfigError(message, suggestions) from ex
 
     def add_lightning_class_args(self, lightning_class, nested_key, subclass_mode=False, required=True):
