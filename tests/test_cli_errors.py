@@ -80,6 +80,11 @@ def test_cuda_without_a_gpu(fast_args, capsys, monkeypatch):
     ("trainer:\n  strategy:\n    class_path: src.strategies.SplitAllreduceStrategy\n    init_args: {allreduse: ring}\n",
      ["trainer.strategy.init_args.allreduse is not an option of SplitAllreduceStrategy",
       "did you mean trainer.strategy.init_args.allreduce"]),
+    ("trainer:\n  callbacks+:\n    - class_path: src.callbacks.LastCheckpoint\n"
+     "      init_args: {every_n_train_step: 5}\n",
+     ["trainer.callbacks: init_args.every_n_train_step is not an option of LastCheckpoint",
+      "did you mean init_args.every_n_train_steps"]),
+    ("data:\n  init_args:\n    batch_sise: 3\n", ["data.init_args.batch_sise", "did you mean data.batch_size"]),
     ("data:\n  class_path: src.data.Nope\n", ["data.class_path"]),
 ])
 def test_bad_config_files(fast_args, tmp_path, capsys, content, expected):
@@ -88,6 +93,7 @@ def test_bad_config_files(fast_args, tmp_path, capsys, content, expected):
     line = _fails([*LENET, *fast_args, "--config", str(config)], capsys, *expected)
     if content and "class_path: src.data" not in content:
         assert str(config) in line  # the file the mistake is in
+    assert not list((tmp_path / "logs").glob("**/version_*"))
 
 
 def test_a_key_in_a_relative_config_path_names_that_file(fast_args, tmp_path, capsys, monkeypatch):

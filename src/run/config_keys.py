@@ -50,6 +50,21 @@ def file_with_key(parts: list[str], argv: list[str], folder: str) -> str | None:
     return found
 
 
+def file_with_list_item(parts: list[str], class_path: str, option: str, argv: list[str], folder: str) -> str | None:
+    """The last `--config` file of `argv` whose list under the key `parts` (e.g. trainer.callbacks, or
+    `callbacks+:`, which appends) has an item of `class_path` with `option` in its init_args; None when none has."""
+    found = None
+    for path in config_paths(argv):
+        parent = _lookup(_load(path, folder), parts[:-1])
+        if not isinstance(parent, dict):
+            continue
+        for items in (parent.get(parts[-1]), parent.get(parts[-1] + "+")):
+            if isinstance(items, list) and any(isinstance(i, dict) and i.get("class_path") == class_path and
+                                               option in (i.get("init_args") or {}) for i in items):
+                found = path
+    return found
+
+
 def class_path_of(key: str, given: Any, argv: list[str], folder: str, defaults: list[str]) -> str | None:
     """The class_path configured for `key` (e.g. "model", "trainer.strategy"): from the value being parsed, else
     the last one on the command line, else the last config file (`defaults` first) that sets it (relative paths

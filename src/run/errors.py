@@ -10,7 +10,8 @@ from pathlib import Path
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
-from src.run.config_keys import accepted_options, class_path_of, close_keys, config_paths, file_with_key
+from src.run.config_keys import (accepted_options, class_path_of, close_keys, config_paths, file_with_key,
+                                  file_with_list_item)
 from src.run.file_kinds import what_is
 from src.run.trainer_choices import add_choices_to_help, explain
 
@@ -51,7 +52,8 @@ class RaisingArgumentParser(LightningArgumentParser):
         if unknown:
             parsers = [self, *getattr(getattr(self, "_subcommands_action", None), "choices", {}).values()]
             keys = {a.dest for p in parsers for a in p._actions if a.dest and a.dest != "help"}
-            suggestions = difflib.get_close_matches(unknown.group(1), sorted(keys), n=3, cutoff=0.75)
+            flat = unknown.group(1).replace(".init_args.", ".")  # init_args of a class given without class_path
+            suggestions = difflib.get_close_matches(flat, sorted(keys), n=3, cutoff=0.75)
             source = file_with_key(unknown.group(1).split("."), argv, folder)
             message = f"config file {source}: {message}" if source else message
             tops = sorted({k.split(".")[0] for k in keys} - {"config", "print_config", "print_shtab", "subcommand"})
@@ -77,14 +79,25 @@ def _unknown_init_arg(message: str, argv: list[str], folder: str,
     if not key or not option:
         return None
     key, option = key.group(1), option.group(1)
-    given = re.search(r"^\s*Given value: (\{.*\})\s*$", message, re.MULTILINE)
+    given = re.search(r"^\s*Given value: ([\[{].*)\s*$", message, re.MULTILINE)
     try:
         given = ast.literal_eval(given.group(1)) if given else None
     except (ValueError, SyntaxError):
         given = None
+    parts = key.split(".")
+    if isinstance(given, list):  # e.g. trainer.callbacks: the item whose init_args hold the option
+        items = [i for i in given if isinstance(i, dict) and option in (i.get("init_args") or {})]
+        if items and isinstance(items[-1].get("class_path"), str):
+            class_path = items[-1]["class_path"]
+            name, options = accepted_options(class_path)
+            source = file_with_list_item(parts, class_path, option, argv, folder)
+            where = f"config file {source}: " if source else "on the command line: "
+            close = close_keys(option, options)
+            return (f"{where}{key}: init_args.{option} is not an option of {name or class_path}"
+                    + ("" if close or not options else f"; its options are {', '.join(options)}"),
+                    [f"init_args.{c}" for c in close])
     class_path = class_path_of(key, given, argv, folder, [str(d) for d in defaults])
     name, options = accepted_options(class_path) if class_path else ("", [])
-    parts = key.split(".")
     source, written = file_with_key([*parts, "init_args", option], argv, folder), f"{key}.init_args.{option}"
     if source is None and file_with_key([*parts, option], argv, folder):
         source, written = file_with_key([*parts, option], argv, folder), f"{key}.{option}"
