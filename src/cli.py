@@ -1,7 +1,7 @@
 """Command line: `python -m src.cli {fit,validate,test,predict} --config configs/lenet.yaml [...]`.
 
-A bad input ends with one line on stderr saying what is wrong and exit status 2; `--debug` (or
-FMNIST_DEBUG=1) shows the full traceback instead.
+A bad input ends with exit status 2 and, on stderr, `error: <what is wrong and how to fix it>` and a line naming
+`--debug` (or FMNIST_DEBUG=1), which shows the full traceback instead (docs/troubleshooting.md).
 """
 
 import os

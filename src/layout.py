@@ -112,6 +112,6 @@ def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
                               backend if p > 1 else None)
     if isinstance(strategy, SingleDeviceStrategy):
         return ParallelLayout("single", 1, 1, (strategy.root_device,), (strategy.root_device,), "none", None)
-    raise TypeError(f"strategy {type(strategy).__name__} is not one this tool runs: use trainer.strategy single "
-                    "(configs/strategy/single.yaml), ddp (configs/strategy/ddp_cpu.yaml) or split_allreduce "
-                    "(configs/strategy/split_allreduce.yaml)")
+    raise TypeError(f"strategy {type(strategy).__name__} is not one this tool runs: use trainer.strategy auto "
+                    "(one device: configs/strategy/single.yaml), ddp (configs/strategy/ddp_cpu.yaml) or "
+                    "split_allreduce (configs/strategy/split_allreduce.yaml)")

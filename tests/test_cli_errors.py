@@ -1,6 +1,10 @@
 """Every bad input ends in one line on stderr naming the problem, exit status 2, no traceback, no half-written run."""
 
+import zipfile
+from pathlib import Path
+
 import pytest
+from PIL import Image
 
 from src.cli import run
 from tests.helpers.idx import write_fashion_mnist
@@ -23,7 +27,16 @@ def _fails(args, capsys, *expected):
 
 @pytest.mark.parametrize("extra, expected", [
     (["--model.class_path", "src.models.classifier.LeNetClassifer"], ["LeNetClassifer", "has no attribute"]),
-    (["--trainer.strategy", "foo"], ["invalid strategy name", "'foo'"]),
+    (["--trainer.strategy", "foo"], ["trainer.strategy 'foo' is not a strategy name", "split_allreduce"]),
+    (["--trainer.strategy", "split_allreduse"], ["'split_allreduse' is not a strategy name",
+                                                 "did you mean split_allreduce?", "ddp, ddp_spawn"]),
+    (["--trainer.accelerator", "gpx"], ["trainer.accelerator 'gpx' is not an accelerator name", "did you mean gpu?",
+                                        "auto, cpu, cuda, gpu"]),
+    (["--model.init_args.momentun", "0.9"], ["on the command line: model.init_args.momentun is not an option of "
+                                             "LeNetClassifier", "did you mean model.init_args.momentum?"]),
+    ([*SPLIT, "--trainer.strategy.init_args.allreduse", "ring"],
+     ["trainer.strategy.init_args.allreduse is not an option of SplitAllreduceStrategy",
+      "did you mean trainer.strategy.init_args.allreduce"]),
     (["--trainer.max_epohcs", "3"], ["max_epohcs", "did you mean trainer.max_epochs"]),
     (["--data.batch_size", "0"], ["data.batch_size must be a positive integer, got 0"]),
     (["--model.init_args.lr", "0"], ["model.lr must be > 0"]),
@@ -57,22 +70,109 @@ def test_cuda_without_a_gpu(fast_args, capsys, monkeypatch):
 @pytest.mark.parametrize("content, expected", [
     ("trainer:\n  max_epochs: 3\n   devices: [1\n", ["not valid YAML at line 3"]),
     ("", ["is empty"]),
-    ("- just\n- a list\n", ["must hold a mapping"]),
+    ("- just\n- a list\n", ["is YAML but not a config: it holds a list", "configs/lenet.yaml"]),
+    ("services:\n  web: {image: nginx}\n", ["'services'", "top-level keys are ckpt_path, data, model"]),
     ("trainer:\n  max_epohcs: 3\n", ["trainer.max_epohcs", "did you mean trainer.max_epochs"]),
+    ("model:\n  init_args:\n    momentun: 0.9\n", ["model.init_args.momentun is not an option of LeNetClassifier",
+                                                     "did you mean model.init_args.momentum?"]),
+    ("model:\n  momentun: 0.9\n", ["model.momentun is not an option of LeNetClassifier",
+                                    "did you mean model.init_args.momentum?"]),
+    ("trainer:\n  strategy:\n    class_path: src.strategies.SplitAllreduceStrategy\n    init_args: {allreduse: ring}\n",
+     ["trainer.strategy.init_args.allreduse is not an option of SplitAllreduceStrategy",
+      "did you mean trainer.strategy.init_args.allreduce"]),
+    ("trainer:\n  callbacks+:\n    - class_path: src.callbacks.LastCheckpoint\n"
+     "      init_args: {every_n_train_step: 5}\n",
+     ["trainer.callbacks: init_args.every_n_train_step is not an option of LastCheckpoint",
+      "did you mean init_args.every_n_train_steps"]),
+    ("data:\n  init_args:\n    batch_sise: 3\n", ["data.init_args.batch_sise", "did you mean data.batch_size"]),
     ("data:\n  class_path: src.data.Nope\n", ["data.class_path"]),
 ])
 def test_bad_config_files(fast_args, tmp_path, capsys, content, expected):
     config = tmp_path / "bad.yaml"
     config.write_text(content)
     line = _fails([*LENET, *fast_args, "--config", str(config)], capsys, *expected)
-    if content and "max_epohcs" not in content and "class_path" not in content:
-        assert str(config) in line
+    if content and "class_path: src.data" not in content:
+        assert str(config) in line  # the file the mistake is in
+    assert not list((tmp_path / "logs").glob("**/version_*"))
+
+
+def test_a_key_in_a_relative_config_path_names_that_file(fast_args, tmp_path, capsys, monkeypatch):
+    (tmp_path / "mine.yaml").write_text("model:\n  init_args:\n    momentun: 0.9\n")
+    monkeypatch.chdir(tmp_path)  # jsonargparse reads a config from inside its folder: the path must still resolve
+    lenet = str(Path(__file__).resolve().parent.parent / "configs" / "lenet.yaml")
+    _fails(["fit", "--config", lenet, *fast_args, "--config", "mine.yaml"], capsys,
+           "config file mine.yaml: model.init_args.momentun", "did you mean model.init_args.momentum?")
 
 
 def test_config_that_is_not_a_readable_file(fast_args, tmp_path, capsys):
-    _fails([*LENET, *fast_args, "--config", str(tmp_path)], capsys, str(tmp_path), "not a file")
+    _fails([*LENET, *fast_args, "--config", str(tmp_path)], capsys, str(tmp_path), "not a file", "it is a folder")
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00garbage")
-    _fails([*LENET, *fast_args, "--config", str(tmp_path / "binary.yaml")], capsys, "cannot be read")
+    _fails([*LENET, *fast_args, "--config", str(tmp_path / "binary.yaml")], capsys, "is not a YAML config",
+           "it is a binary file")
+    Image.new("L", (28, 28)).save(tmp_path / "shirt.png")
+    _fails([*LENET, *fast_args, "--config", str(tmp_path / "shirt.png")], capsys,
+           f"config file {tmp_path / 'shirt.png'} is not a YAML config: it is a PNG image", "configs/lenet.yaml")
+
+
+def _no_gpu(monkeypatch, count=0):
+    """Make Lightning and torch see `count` CUDA GPUs, whatever this machine has."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pl_cuda
+    import torch
+
+    for module in (fabric_cuda, pl_cuda):
+        monkeypatch.setattr(module, "num_cuda_devices", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Test GPU")
+
+
+@pytest.mark.parametrize("extra", [["--trainer.accelerator", "gpu"], ["--trainer.accelerator", "cuda"],
+                                   ["--config", "configs/strategy/ddp_gpu.yaml"]])
+def test_gpu_accelerator_without_a_gpu(fast_args, tmp_path, capsys, monkeypatch, extra):
+    _no_gpu(monkeypatch)
+    _fails([*LENET, *fast_args, *extra], capsys, "trainer.accelerator asks for a GPU, but this machine has no CUDA GPU",
+           "--trainer.accelerator cpu", "configs/strategy/ddp_cpu.yaml", "configs/strategy/split_allreduce.yaml")
+    assert not list((tmp_path / "logs").glob("**/version_*"))
+
+
+def test_more_gpus_than_the_machine_has(fast_args, capsys, monkeypatch):
+    _no_gpu(monkeypatch, count=1)
+    _fails([*LENET, *fast_args, "--trainer.accelerator", "gpu", "--trainer.devices", "2"], capsys,
+           "trainer.devices asks for GPUs [0, 1], but this machine has 1 CUDA GPU: cuda:0 Test GPU",
+           "--trainer.devices 1")
+
+
+def test_help_lists_every_name_the_errors_accept(capsys):
+    from src.run.trainer_choices import accelerator_names, strategy_names
+
+    with pytest.raises(SystemExit) as exit_:
+        run(["fit", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    strategy = help_text.split("--trainer.strategy STRATEGY")[-1].split("--trainer.")[0]  # [-1]: not the usage line
+    accelerator = help_text.split("--trainer.accelerator ACCELERATOR")[-1].split("--trainer.")[0]
+    assert "split_allreduce" in strategy_names() and "gpu" in accelerator_names()
+    assert f"Names: {', '.join(strategy_names())};" in strategy
+    assert f"Names: {', '.join(accelerator_names())}." in accelerator
+    _fails([*LENET, "--trainer.strategy", "nope"], capsys, f"the names: {', '.join(strategy_names())} ")
+    _fails([*LENET, "--trainer.accelerator", "nope"], capsys, f"the names: {', '.join(accelerator_names())}")
+
+
+def test_forecast_presets_and_links(capsys):
+    from src.scaling.forecast import main
+    from src.scaling.hardware import HARDWARE, link_names
+
+    for args, expected in ((["--hardware", "h200"], "unknown hardware preset 'h200' (did you mean h200-nvlink?)"),
+                           (["--intra_link", "nvlnk"], "unknown link 'nvlnk' (did you mean nvlink-")):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2 and expected in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps lines at hyphens
+    assert f"Presets: {', '.join(HARDWARE)}." in help_text
+    assert help_text.count(f"Links: {', '.join(link_names())}.") == 2  # --intra_link and --inter_link
 
 
 def _data_args(fast_args, data_dir):
@@ -125,7 +225,8 @@ def test_checkpoint_problems(fast_args, tmp_path, capsys, lenet_checkpoint):
             "--ckpt_path", str(lenet_checkpoint)], capsys, "does not fit ResNet18Classifier", "another network")
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(lenet_checkpoint.read_bytes()[:2000])
-    _fails([*LENET, *fast_args, "--ckpt_path", str(truncated)], capsys, "cannot be read", "truncated")
+    _fails([*LENET, *fast_args, "--ckpt_path", str(truncated)], capsys, "is a truncated or damaged checkpoint",
+           "2,000 bytes", "Copy it again")
     _fails([*LENET, *fast_args, "--ckpt_path", "last", "--trainer.logger.init_args.name", "other"], capsys,
            "no last.ckpt", "nothing to resume")
 
@@ -142,3 +243,45 @@ def test_ckpt_path_last_finds_the_newest_run(fast_args, tmp_path, lenet_checkpoi
 def test_debug_switch_shows_the_traceback(fast_args):
     with pytest.raises(ValueError, match="model.lr must be > 0"):
         run([*LENET, *fast_args, "--model.init_args.lr", "0", "--debug"])
+
+
+def test_checkpoint_paths_that_are_not_checkpoints(fast_args, tmp_path, capsys, lenet_checkpoint):
+    runs = sorted((tmp_path / "logs").glob("**/version_*"))
+    folder = lenet_checkpoint.parent.parent  # version_0: the folder, not its checkpoints/last.ckpt
+    _fails([*LENET, *fast_args, "--ckpt_path", str(folder)], capsys, f"--ckpt_path {folder} is a folder, not a "
+           "checkpoint file: give one of the checkpoints inside it", str(lenet_checkpoint.parent))
+    (tmp_path / "empty").mkdir()
+    _fails([*LENET, *fast_args, "--ckpt_path", str(tmp_path / "empty")], capsys, "is a folder", "holds no .ckpt file",
+           "--ckpt_path last")
+    Image.new("L", (28, 28)).save(tmp_path / "shirt.png")
+    (tmp_path / "notes.ckpt").write_text("lr 0.05 worked best\n")
+    with zipfile.ZipFile(tmp_path / "photos.ckpt", "w") as archive:
+        archive.writestr("a.txt", "not a tensor")
+    for name, kind in (("shirt.png", "it is a PNG image"), ("notes.ckpt", "it is a text file"),
+                       ("photos.ckpt", "is a zip archive but not a torch checkpoint")):
+        _fails([*LENET, *fast_args, "--ckpt_path", str(tmp_path / name)], capsys, f"--ckpt_path {tmp_path / name}",
+               kind, "logs/<model>/<run>/version_N/checkpoints/last.ckpt")
+    assert sorted((tmp_path / "logs").glob("**/version_*")) == runs  # no run folder for a refused checkpoint
+
+
+def test_an_image_to_predict_that_is_not_an_image(fast_args, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "shirt.jpg").write_bytes(b"%PDF-1.7\n")  # a document under an image's name
+    _fails(["predict", *LENET[1:], *fast_args, "--data.predict_dir", str(folder), "--ckpt_path", "last"], capsys,
+           f"image {folder / 'shirt.jpg'} is refused: it is not an image but a PDF document",
+           "remove it from data.predict_dir")
+
+
+@pytest.mark.parametrize("inside, fix", [("FashionMNIST", "set data.data_dir {root}"),
+                                         ("FashionMNIST/raw", "set data.data_dir {root}"),
+                                         ("", "move them into {root}/FashionMNIST/raw/")])
+def test_a_data_dir_that_points_into_the_dataset(fast_args, tmp_path, capsys, monkeypatch, inside, fix):
+    monkeypatch.setattr("src.data.fashion_mnist.DEBIAN_DIR", tmp_path / "no-debian-package")
+    root = tmp_path / "data"
+    files = root / "FashionMNIST" / "raw" if inside else root
+    write_fashion_mnist(files)
+    data_dir = root / inside if inside else root
+    _fails([*LENET, *_data_args(fast_args, data_dir)], capsys, f"data.data_dir {data_dir} has no FashionMNIST/raw/",
+           f"IDX files are in {files}/", fix.format(root=root))
+    assert not (data_dir / "FashionMNIST").exists()  # no second copy unpacked or downloaded

@@ -231,6 +231,9 @@ def test_user_numbers_replace_the_presets(tiny, tmp_path):
     (["--calibration", "missing.json"], "python -m src.forecast --calibrate"),
     (["--hardware", "gpu-pcie3"], "give --seconds_per_image and --overhead_s"),
     (["--intra_link", "carrier-pigeon"], "unknown link 'carrier-pigeon'; choose one of: pcie3"),
+    (["--hardware", "h200"], "unknown hardware preset 'h200' (did you mean h200-nvlink?); choose one of:"),
+    (["--hardwre", "h200-nvlink"], "unrecognized arguments: --hardwre h200-nvlink (did you mean --hardware?)"),
+    (["--devices", "x"], "Parser key \"devices\": Expected a <class 'list'>"),
 ])
 def test_bad_input_gives_one_line(tiny, tmp_path, capsys, args, message):
     config, cal = tiny

@@ -50,7 +50,7 @@ def test_layout_of_every_strategy_this_tool_runs():
 
 def test_a_strategy_this_tool_does_not_run_is_named_not_defaulted():
     with pytest.raises(TypeError, match="strategy FSDPStrategy is not one this tool runs: use trainer.strategy "
-                                        "single"):
+                                        "auto"):
         parallel_layout(FSDPStrategy())
 
 

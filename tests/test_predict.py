@@ -149,7 +149,7 @@ def _bad_folder(tmp_path: Path, kind: str) -> tuple[Path, str]:
 
 @pytest.mark.parametrize("kind, expected", [
     ("truncated", "truncated or corrupt"),
-    ("text", "not a PNG or JPEG image"),
+    ("text", "not an image but a text file"),
     ("symlink", "symbolic link leading outside"),
     ("empty", "holds no images"),
 ])

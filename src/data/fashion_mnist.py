@@ -49,6 +49,22 @@ def _check_all(raw: Path) -> None:
         check_idx_file(raw / name)
 
 
+def _check_not_misplaced(data_dir: Path, raw: Path) -> None:
+    """Refuse a data_dir that points into the dataset instead of at the folder above it (before a second copy is
+    unpacked or downloaded beside the first).
+
+    Raises:
+        DataUnavailableError: The four IDX files are in `data_dir` itself or in `data_dir/raw/`.
+    """
+    for found in (data_dir / "raw", data_dir):
+        if found != raw and all((found / name).is_file() for name in RAW_FILES):
+            root = found.parent.parent  # the data_dir that holds these files as FashionMNIST/raw/
+            fix = f"set data.data_dir {root} (the folder that holds FashionMNIST/raw/)" \
+                if (found.name, found.parent.name) == ("raw", "FashionMNIST") else f"move them into {raw}/"
+            raise DataUnavailableError(f"data.data_dir {data_dir} has no FashionMNIST/raw/ folder, but the dataset's "
+                                       f"IDX files are in {found}/: {fix}")
+
+
 def ensure_raw_files(data_dir: str | Path, debian_dir: str | Path = DEBIAN_DIR, download: bool = True) -> str:
     """Make the four unpacked IDX files exist under `data_dir/FashionMNIST/raw/`.
 
@@ -73,6 +89,7 @@ def ensure_raw_files(data_dir: str | Path, debian_dir: str | Path = DEBIAN_DIR, 
     if all((raw / name).is_file() for name in RAW_FILES):
         _check_all(raw)
         return "present"
+    _check_not_misplaced(Path(data_dir), raw)
     check_writable(raw)
     if _unpack_debian(raw, Path(debian_dir)):
         _check_all(raw)

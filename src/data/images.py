@@ -42,7 +42,15 @@ def _open_checked(path: Path) -> Image.Image:
         raise ImageError(f"image {path} is refused: its header claims more than {MAX_PIXELS:,} pixels "
                          f"(a decompression bomb? Pillow: {err})") from None
     except Image.UnidentifiedImageError:
-        raise ImageError(f"image {path} is refused: it is not a PNG or JPEG image Pillow can read") from None
+        from src.run.file_kinds import what_is
+
+        kind = what_is(path)
+        if kind.endswith(" image"):
+            raise ImageError(f"image {path} is refused: it starts like {kind} but Pillow cannot read it (damaged or "
+                             "cut short); export or copy it again, or remove it from data.predict_dir") from None
+        raise ImageError(f"image {path} is refused: it is not an image but {kind}, though its name ends in "
+                         f"{path.suffix}; remove it from data.predict_dir, or rename it to what it is "
+                         "(only .png, .jpg and .jpeg files are read)") from None
     except OSError as err:
         raise ImageError(f"image {path} cannot be read: {err}") from None
     width, height = image.size

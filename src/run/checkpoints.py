@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
+from src.run.file_kinds import what_is
+
 
 def _keep_location(storage: Any, location: Any) -> Any:
     return storage  # Lightning's default: tensors stay where they were saved
@@ -114,6 +116,45 @@ class UnsafeCheckpointError(ValueError):
     """Raised for a checkpoint whose unpickling would need objects other than tensors and plain data."""
 
 
+_WHERE_CHECKPOINTS_ARE = ("give a .ckpt file that a fit run wrote, e.g. logs/<model>/<run>/version_N/checkpoints/"
+                          "last.ckpt, or --ckpt_path last for the newest one of the configured model")
+
+
+def check_checkpoint_file(path: str | Path) -> None:
+    """Say what `path` is when it cannot be a checkpoint, before torch tries to unpickle it.
+
+    torch saves checkpoints as zip archives holding `<name>/data.pkl` (torch >= 1.6; the older format is a pickle,
+    left to torch). Read as a pickle, any other file fails with a message about unsafe globals or bad opcodes,
+    which says nothing about what the file is.
+
+    Raises:
+        IsADirectoryError: A folder (the message lists up to 3 of the checkpoints inside it).
+        ValueError: A file that is not a checkpoint (the message says what it is), a truncated zip archive, or a
+            zip archive that torch did not write.
+    """
+    path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.glob("**/*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)[:3]
+        which = f": give one of the checkpoints inside it, e.g. {', '.join(map(str, inside))}" if inside else \
+            f", and holds no .ckpt file; {_WHERE_CHECKPOINTS_ARE}"
+        raise IsADirectoryError(f"--ckpt_path {path} is a folder, not a checkpoint file{which}")
+    kind = what_is(path)
+    if kind == "a pickle":
+        return  # torch's legacy format: torch.load reads it, or says why not
+    if kind != "a zip archive":
+        raise ValueError(f"--ckpt_path {path} is not a checkpoint: it is {kind}; {_WHERE_CHECKPOINTS_ARE}")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ValueError(f"--ckpt_path {path} is a truncated or damaged checkpoint ({path.stat().st_size:,} bytes; "
+                         f"zip: {err}): it was cut short while being copied or written. Copy it again, or use an "
+                         "earlier checkpoint of the run (e.g. --ckpt_path last)") from None
+    if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+        raise ValueError(f"--ckpt_path {path} is a zip archive but not a torch checkpoint (no data.pkl among its "
+                         f"{len(names)} entries); {_WHERE_CHECKPOINTS_ARE}")
+
+
 def load_checkpoint_safely(path: str | Path) -> dict:
     """Load a checkpoint file with torch's weights-only unpickler, onto the CPU.
 
@@ -126,8 +167,10 @@ def load_checkpoint_safely(path: str | Path) -> dict:
 
     Raises:
         UnsafeCheckpointError: The file needs arbitrary objects to unpickle; it was not loaded.
-        ValueError: The file is unreadable: truncated, or not a checkpoint.
+        IsADirectoryError: A folder.
+        ValueError: The file is unreadable: truncated, or not a checkpoint (`check_checkpoint_file`).
     """
+    check_checkpoint_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -164,8 +207,8 @@ def check_checkpoint(ckpt_path: str | None, model: torch.nn.Module) -> dict | No
         raise ValueError(f"--ckpt_path {ckpt_path}: checkpoints are loaded from local files only; download it first "
                          "and give the file's path")
     path = Path(ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such file")
+    if not path.exists():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such file; {_WHERE_CHECKPOINTS_ARE}")
     checkpoint = load_checkpoint_safely(path)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError(f"--ckpt_path {ckpt_path} cannot be read as a Lightning checkpoint (it has no state_dict); "

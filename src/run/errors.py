@@ -1,12 +1,19 @@
 """One clear line for each way a run can be set up wrong: the CLI prints these instead of a traceback."""
 
+import ast
 import difflib
 import os
 import re
+import sys
 from pathlib import Path
 
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
+
+from src.run.config_keys import (accepted_options, class_path_of, close_keys, config_paths, file_with_key,
+                                  file_with_list_item)
+from src.run.file_kinds import what_is
+from src.run.trainer_choices import add_choices_to_help, explain
 
 DEBUG_ENV = "FMNIST_DEBUG"
 
@@ -23,18 +30,83 @@ class RaisingArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, raising `ConfigError` instead of printing usage and exiting, so that one handler
     reports every error; for an unknown key it looks up the nearest valid ones (difflib)."""
 
+    invocation_dir: str | None = None  # jsonargparse parses a config file from inside the file's folder
+
+    def parse_args(self, *args, **kwargs):
+        """jsonargparse's, after noting the folder it starts in, against which `--config` paths are relative."""
+        RaisingArgumentParser.invocation_dir = os.getcwd()
+        return super().parse_args(*args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         unknown = re.search(r"(?:unrecognized arguments: --|does not accept option ')([\w.]+)", message)
         if unknown and unknown.group(1).split(".")[0] in ("optimizer", "lr_scheduler"):
             raise ConfigError(f"there is no --{unknown.group(1)} option: the optimizer and lr schedule are part of "
                               "the model's recipe; set model.init_args.optimizer (sgd, adam, adamw), "
                               "model.init_args.lr and model.init_args.scheduler instead") from ex
+        # what src.cli.run parses (it sets sys.argv), to find the file a key came from
+        argv, folder = sys.argv[1:], RaisingArgumentParser.invocation_dir or os.getcwd()
+        nested = _unknown_init_arg(message, argv, folder, getattr(self, "default_config_files", None) or [])
+        if nested:
+            raise ConfigError(*nested) from ex
         suggestions = []
         if unknown:
             parsers = [self, *getattr(getattr(self, "_subcommands_action", None), "choices", {}).values()]
             keys = {a.dest for p in parsers for a in p._actions if a.dest and a.dest != "help"}
-            suggestions = difflib.get_close_matches(unknown.group(1), sorted(keys), n=3, cutoff=0.75)
+            flat = unknown.group(1).replace(".init_args.", ".")  # init_args of a class given without class_path
+            suggestions = difflib.get_close_matches(flat, sorted(keys), n=3, cutoff=0.75)
+            source = file_with_key(unknown.group(1).split("."), argv, folder)
+            message = f"config file {source}: {message}" if source else message
+            tops = sorted({k.split(".")[0] for k in keys} - {"config", "print_config", "print_shtab", "subcommand"})
+            top = unknown.group(1).split(".")[0]
+            if top not in tops and not suggestions:  # e.g. a YAML file of another tool
+                message += f"; {top!r} is not a config key: a config's top-level keys are {', '.join(tops)} (see " \
+                           "configs/lenet.yaml)"
         raise ConfigError(message, suggestions) from ex
+
+    def add_lightning_class_args(self, lightning_class, nested_key, subclass_mode=False, required=True):
+        """Lightning's, plus the accepted strategy and accelerator names in the trainer's `--help`."""
+        added = super().add_lightning_class_args(lightning_class, nested_key, subclass_mode, required)
+        if nested_key == "trainer":
+            add_choices_to_help(self)
+        return added
+
+
+def _unknown_init_arg(message: str, argv: list[str], folder: str,
+                      defaults: list[str]) -> tuple[str, list[str]] | None:
+    """(message, suggestions) for jsonargparse's "Parser key "model": ... Option 'x' is not accepted", a key
+    under a class_path's init_args that the class does not take: its class, its file and the nearest keys."""
+    key, option = re.search(r'Parser key "([\w.]+)"', message), re.search(r"Option '(\w+)' is not accepted", message)
+    if not key or not option:
+        return None
+    key, option = key.group(1), option.group(1)
+    given = re.search(r"^\s*Given value: ([\[{].*)\s*$", message, re.MULTILINE)
+    try:
+        given = ast.literal_eval(given.group(1)) if given else None
+    except (ValueError, SyntaxError):
+        given = None
+    parts = key.split(".")
+    if isinstance(given, list):  # e.g. trainer.callbacks: the item whose init_args hold the option
+        items = [i for i in given if isinstance(i, dict) and option in (i.get("init_args") or {})]
+        if items and isinstance(items[-1].get("class_path"), str):
+            class_path = items[-1]["class_path"]
+            name, options = accepted_options(class_path)
+            source = file_with_list_item(parts, class_path, option, argv, folder)
+            where = f"config file {source}: " if source else "on the command line: "
+            close = close_keys(option, options)
+            return (f"{where}{key}: init_args.{option} is not an option of {name or class_path}"
+                    + ("" if close or not options else f"; its options are {', '.join(options)}"),
+                    [f"init_args.{c}" for c in close])
+    class_path = class_path_of(key, given, argv, folder, [str(d) for d in defaults])
+    name, options = accepted_options(class_path) if class_path else ("", [])
+    source, written = file_with_key([*parts, "init_args", option], argv, folder), f"{key}.init_args.{option}"
+    if source is None and file_with_key([*parts, option], argv, folder):
+        source, written = file_with_key([*parts, option], argv, folder), f"{key}.{option}"
+    where = f"config file {source}: " if source else "on the command line: "
+    text = f"{where}{written} is not an option of {name or class_path or key}"
+    close = close_keys(option, options)
+    if options and not close:
+        text += f"; its options are {', '.join(options)}"
+    return text, [f"{key}.init_args.{c}" for c in close]
 
 
 def check_config_files(argv: list[str]) -> None:
@@ -44,15 +116,16 @@ def check_config_files(argv: list[str]) -> None:
         ConfigError: A file that is missing, unreadable, empty, not valid YAML (with its line and column),
             or not a mapping of keys.
     """
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for name in paths:
+    for name in config_paths(argv):
         path = Path(name)
         if not path.is_file():
-            raise ConfigError(f"config file {name} does not exist (or is not a file)")
+            raise ConfigError(f"config file {name} does not exist (or is not a file): it is {what_is(path)}")
         try:
             text = path.read_text()
-        except (OSError, UnicodeDecodeError) as err:
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {name} is not a YAML config: it is {what_is(path)}; give a YAML file of "
+                              "trainer:, model: and data: keys, e.g. configs/lenet.yaml") from err
+        except OSError as err:
             raise ConfigError(f"config file {name} cannot be read: {err}") from err
         if not text.strip():
             raise ConfigError(f"config file {name} is empty: give it trainer:, model: or data: keys, or drop it")
@@ -64,8 +137,8 @@ def check_config_files(argv: list[str]) -> None:
             problem = getattr(err, "problem", None) or str(err)
             raise ConfigError(f"config file {name} is not valid YAML{where}: {problem}") from err
         if not isinstance(content, dict):
-            raise ConfigError(f"config file {name} must hold a mapping of keys (trainer:, model:, data:), "
-                              f"found a {type(content).__name__}")
+            raise ConfigError(f"config file {name} is YAML but not a config: it holds a {type(content).__name__}, and "
+                          "a config is a mapping of keys (trainer:, model:, data:), e.g. configs/lenet.yaml")
 
 
 _NOISE = (re.compile(r"^\s*(Given value( type)?|Subtypes): "), re.compile(r"^\s*- Expected a <class 'NoneType'>"),
@@ -111,6 +184,9 @@ def describe(err: BaseException) -> str:
     lost = describe_lost_rank(text)
     if lost:
         return lost
+    explained = explain(text)  # a strategy or accelerator name, or GPUs the machine does not have
+    if explained:
+        return explained
     if isinstance(err, ConfigError) or "Union subtypes" in text or text.startswith("Parser key"):
         text = condense(text)
         suggestions = getattr(err, "suggestions", None)

@@ -17,6 +17,7 @@ band, one line per algorithm, with the measured points of the newest scaling rep
 same kind of hardware) into <out>/<model>/version_N/. See docs/forecast.md.
 """
 
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -28,7 +29,8 @@ from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
-from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, shaped
+from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
+                                   shaped)
 from src.scaling.network import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
@@ -394,6 +396,25 @@ def _group(cls: type, options: dict):
     return cls(**{f.name: options[f.name] for f in fields(cls)})
 
 
+def _parse(parser: object, args: list[str]) -> dict:
+    """`parser.parse_args(args)` as a dict; a bad option ends in one line naming the nearest valid ones.
+
+    Raises:
+        SystemExit: Code 2 after the line on stderr.
+    """
+    from jsonargparse import ArgumentError
+
+    try:
+        return parser.parse_args(args).as_dict()
+    except ArgumentError as err:
+        unknown = re.search(r"unrecognized arguments: --([\w-]+)", str(err))
+        options = [f"--{a.dest}" for a in parser._actions if a.dest not in ("help", "config")]
+        hint = did_you_mean(f"--{unknown.group(1).replace('-', '_')}", options) if unknown else ""
+        print(f"python -m src.forecast: error: {' '.join(str(err).split())}{hint} (--help lists every option)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(args: list[str] | None = None) -> Path:
     """Parse `args` (default sys.argv[1:]) and run the forecast, or the calibration with --calibrate.
 
@@ -409,15 +430,16 @@ def main(args: list[str] | None = None) -> Path:
     from jsonargparse import ArgumentParser
 
     # not jsonargparse.CLI: it reserves --config for its own config files, and here --config is the experiment
-    parser = ArgumentParser(prog="python -m src.forecast", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m src.forecast", description=__doc__.split("\n\n")[0], exit_on_error=False)
     for group in (Question, Overrides, Paths, Calibration):
         parser.add_class_arguments(group, None)
+    list_choices_in_help(parser)
     args = list(sys.argv[1:] if args is None else args)
     # a bare --calibrate is a flag; jsonargparse's bool options want a value
     args = [a for i, a in enumerate(args) for a in (
         ["--calibrate", "true"] if a == "--calibrate" and (i + 1 == len(args) or args[i + 1].startswith("--"))
         else [a])]
-    options = parser.parse_args(args).as_dict()
+    options = _parse(parser, args)
     paths, calibration = _group(Paths, options), _group(Calibration, options)
     try:
         if calibration.calibrate:

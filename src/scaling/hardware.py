@@ -18,6 +18,7 @@ line rate times 370/450, the share NCCL's maintainers give for H100 NVLink (prot
 https://github.com/NVIDIA/nccl-tests/issues/212).
 """
 
+import difflib
 from dataclasses import dataclass
 
 from src.scaling.cost_model import Link
@@ -270,6 +271,13 @@ HARDWARE: dict[str, HardwarePreset] = {h.name: h for h in [
 ]}
 
 
+def did_you_mean(name: str, names: list[str]) -> str:
+    """" (did you mean a or b?)" with the names that start with `name` (h200 -> h200-nvlink), else up to 3 close
+    ones (difflib's ratio >= 0.6); "" when none is close."""
+    close = [n for n in names if n.startswith(name)][:3] or difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
 def hardware_preset(name: str) -> HardwarePreset:
     """The preset called `name`.
 
@@ -277,10 +285,21 @@ def hardware_preset(name: str) -> HardwarePreset:
         ValueError: Unknown name; the message lists the valid ones.
     """
     if name not in HARDWARE:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of: {', '.join(HARDWARE)}")
+        raise ValueError(f"unknown hardware preset {name!r}{did_you_mean(name, list(HARDWARE))}; choose one of: "
+                         f"{', '.join(HARDWARE)}")
     return HARDWARE[name]
 
 
 def link_names() -> list[str]:
     """Every link name accepted on the command line (published presets and calibrated ones)."""
     return [*LINKS, *CALIBRATED_LINKS]
+
+
+def list_choices_in_help(parser: object) -> None:
+    """Append every preset and link name that the errors accept to the `--help` text of --hardware, --intra_link
+    and --inter_link in `parser` (a jsonargparse parser), so the help cannot fall behind the tables above."""
+    names = {"hardware": f"Presets: {', '.join(HARDWARE)}.", "intra_link": f"Links: {', '.join(link_names())}.",
+             "inter_link": f"Links: {', '.join(link_names())}."}
+    for action in getattr(parser, "_actions", []):
+        if action.dest in names:
+            action.help = f"{action.help or ''} {names[action.dest]}".strip()

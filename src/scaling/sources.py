@@ -10,7 +10,8 @@ from pathlib import Path
 
 from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Link
-from src.scaling.hardware import ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, link_names
+from src.scaling.hardware import (ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, did_you_mean,
+                                   link_names)
 from src.scaling.network import Network, inspect_network
 
 # Shipped inside the package (package data), so it is found wherever the package is installed, whatever the
@@ -142,7 +143,8 @@ def resolve_links(name: str, calibration: str) -> tuple[Link, Link, str]:
             f"GB/s [measured: least squares over {len(fit['samples'])} timings, relative error rms "
             f"{fit['fit']['rms_rel_err']:.0%}, max {fit['fit']['max_rel_err']:.0%}; "
             f"{fit.get('hardware', cal['hardware'])}, {fit.get('date', cal['date'])}, {calibration}]")
-    raise ValueError(f"unknown link {name!r}; choose one of: {', '.join(link_names())}")
+    raise ValueError(f"unknown link {name!r}{did_you_mean(name, link_names())}; choose one of: "
+                     f"{', '.join(link_names())}")
 
 
 def user_link(link: Link, note: str, alpha_s: float | None, beta_s_per_byte: float | None) -> tuple[Link, str]:

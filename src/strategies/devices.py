@@ -27,7 +27,8 @@ def parse_devices(devices: list[str]) -> list[torch.device]:
         if dev.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:
-                raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU; use 'cpu' replicas")
+                raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU; use 'cpu' replicas, "
+                                 "e.g. --config configs/strategy/split_allreduce.yaml (devices: [cpu, cpu])")
             dev = torch.device("cuda", dev.index if dev.index is not None else 0)
             if dev.index >= count:
                 raise ValueError(f"device {name!r} does not exist: this machine has {count} CUDA device(s), "
