@@ -30,7 +30,7 @@ from pathlib import Path
 from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Job, Link, Links, predict_step, ring_allreduce_s
 from src.scaling.hardware import LINKS
-from src.scaling.network import inspect_network
+from src.scaling.model_counts import inspect_network
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
 
 LENET = "src.models.classifier.LeNetClassifier"

@@ -18,7 +18,7 @@ images/s = B / that;
 * once per rate and layout, a short run with the step timeline (`src.callbacks.StepTimeline`): exposed and
   hidden communication per step, the medians of its `breakdown.csv` over both ranks.
 
-Then asks the predictor (`src.scaling.forecast.predict`, see `predicted`) for the same model, layout and link,
+Then asks the predictor (`src.scaling.predictor.predict`, see `predicted`) for the same model, layout and link,
 with the compute of the one-core runs, and prints one markdown table: measured images/s (median over rounds),
 speedup over one core and time over DDP's at the same rate (medians of the rounds' ratios), step ms, exposed
 communication ms, and the predicted step and images/s with the relative error. `--json` keeps every raw figure,
@@ -186,7 +186,7 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     `benchmarks/lab_core_cost.py`: what a swap's bytes take from a computing core) times the bytes sent, or
     without it the unshaped link's per-byte term from the predictor itself.
     """
-    from src.scaling.forecast import Paths, Question, predict
+    from src.scaling.predictor import Paths, Question, predict
     from src.scaling.sources import Overrides
 
     compression, rank = compression_of(name)
@@ -211,8 +211,8 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
 
 def sent_bytes(model: str, name: str) -> int:
     """Gradient bytes each machine exchanges per step in layout `name`, counted from the model as the strategies
-    count them (`src.scaling.network.compressed_bytes`)."""
-    from src.scaling.network import compressed_bytes, inspect_network
+    count them (`src.scaling.model_counts.compressed_bytes`)."""
+    from src.scaling.model_counts import compressed_bytes, inspect_network
 
     config = yaml.safe_load(Path(MODELS[model][0]).read_text())["model"]
     compression, rank = compression_of(name)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import src.run.quiet  # noqa: F401  first: the few third-party messages every run hides (see the module)
+import src.run.hidden_messages  # noqa: F401  first: the few third-party messages every run hides (see the module)
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 

@@ -160,7 +160,7 @@ def test_help_lists_every_name_the_errors_accept(capsys):
 
 
 def test_forecast_presets_and_links(capsys):
-    from src.scaling.forecast import main
+    from src.scaling.predictor import main
     from src.scaling.hardware import HARDWARE, link_names
 
     for args, expected in ((["--hardware", "h200"], "unknown hardware preset 'h200' (did you mean h200-nvlink?)"),

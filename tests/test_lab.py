@@ -16,7 +16,7 @@ import pytest
 from src.lab import __main__ as lab_cli
 from src.lab import privileges
 from src.lab.job import job_status, machine_line
-from src.lab.network import Lab, burst_bytes, namespaces, run_ip
+from src.lab.namespaces import Lab, burst_bytes, namespaces, run_ip
 from src.lab.spec import (Fault, assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note,
                           tcp_give_up_seconds)
 from tests.helpers.lab import remove_labs_of

@@ -19,7 +19,7 @@ import torch
 
 from src.cli import main
 from src.lab import privileges
-from src.lab.network import namespaces
+from src.lab.namespaces import namespaces
 from tests.helpers.cli_args import RESUMABLE_CALLBACKS as CALLBACKS
 from tests.helpers.cli_args import RESUMABLE_FLOAT64 as COMMON
 from tests.helpers.cli_args import data_args, trainer_args

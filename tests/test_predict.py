@@ -18,7 +18,7 @@ from src.data.fashion_mnist import CLASSES, MEAN, STD
 from src.data.images import load_image
 from src.models.classifier import LeNetClassifier
 from tests.helpers import cli_args
-from tests.test_quiet import NOISE
+from tests.test_hidden_messages import NOISE
 
 ROOT = Path(__file__).resolve().parent.parent
 LENET = ["--config", "configs/lenet.yaml"]

@@ -58,7 +58,7 @@ def _md_tables(text):
 def _check_markdown_sums(folder, ranks):
     """breakdown.md says why its medians need not add up, and its table of means does add up to the step and
     agrees with the means of the steps measured from the trace."""
-    from src.timeline.report import MEDIANS_NOTE
+    from src.timeline.table import MEDIANS_NOTE
 
     text = (folder / "breakdown.md").read_text()
     assert MEDIANS_NOTE in text
@@ -242,7 +242,7 @@ def test_the_medians_table_says_why_it_does_not_add_up_and_the_means_do():
     """Two made-up steps whose medians do not add up (the median step is 15 ms, its categories' medians 13 ms);
     their means do, and breakdown.md shows both."""
     from src.timeline.breakdown import mean_row, median_row
-    from src.timeline.report import MEDIANS_NOTE, markdown, table_rows
+    from src.timeline.table import MEDIANS_NOTE, markdown, table_rows
 
     zeros = dict.fromkeys((*CATEGORIES, "hidden_communication", "gpu_busy"), 0.0)
     steps = [dict(zeros, step=s, compute=c, communication=m, step_number=n)

@@ -22,7 +22,7 @@ from src.run.lightning_compat import all_threads_profiler_config, run_first
 from src.layout import parallel_layout
 from src.timeline import labels
 from src.timeline.breakdown import STEP, mean_row, median_row, process_breakdown, spans_of, step_number
-from src.timeline.report import csv_text, markdown, table_rows
+from src.timeline.table import csv_text, markdown, table_rows
 
 
 class StepTimeline(pl.Callback):

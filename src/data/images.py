@@ -42,7 +42,7 @@ def _open_checked(path: Path) -> Image.Image:
         raise ImageError(f"image {path} is refused: its header claims more than {MAX_PIXELS:,} pixels "
                          f"(a decompression bomb? Pillow: {err})") from None
     except Image.UnidentifiedImageError:
-        from src.run.file_kinds import what_is
+        from src.file_kinds import what_is
 
         kind = what_is(path)
         if kind.endswith(" image"):

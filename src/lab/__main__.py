@@ -9,7 +9,7 @@ from pathlib import Path
 
 from src.lab import privileges
 from src.lab.job import CUT_GRACE, RDZV_CONF, Job, run_job
-from src.lab.network import Lab, LabError
+from src.lab.namespaces import Lab, LabError
 from src.lab.spec import (assign_cores, parse_fault, parse_rate, parse_straggler, survivors_note,
                           tcp_give_up_seconds)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from src.lab.network import NIC, Lab
+from src.lab.namespaces import NIC, Lab
 from src.lab.spec import Fault
 
 RDZV_PORT = 29400  # every machine has its own port space, so a fixed port never collides with another lab's

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-from src.run.file_kinds import what_is
+from src.file_kinds import what_is
 
 
 def _keep_location(storage: Any, location: Any) -> Any:

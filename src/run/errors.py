@@ -12,7 +12,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from src.run.config_keys import (accepted_options, class_path_of, close_keys, config_paths, file_with_key,
                                   file_with_list_item)
-from src.run.file_kinds import what_is
+from src.file_kinds import what_is
 from src.run.trainer_choices import add_choices_to_help, explain
 
 DEBUG_ENV = "FMNIST_DEBUG"

@@ -41,7 +41,8 @@ def interval_note(trainer: "pl.Trainer") -> str | None:
 
     Says so when the run reaches no logging step at all (nothing per step is written), or, failing that, when an
     epoch is shorter than the logging interval (per-step scalars then skip epochs). It replaces Lightning's own
-    "smaller than the logging interval" warning (`src.run.quiet`), which names neither the tags nor the option.
+    "smaller than the logging interval" warning (`src.run.hidden_messages`), which names neither the tags nor the
+    option.
 
     Args:
         trainer: A Trainer in `on_train_start`.

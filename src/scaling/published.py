@@ -25,7 +25,7 @@ from src.scaling.cost_model import Compute, Job, Links
 from src.scaling.hardware import HARDWARE, LINKS
 
 TABLE = Path(__file__).parent / "calibration" / "published_scaling.csv"
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MiB), as src.scaling.network uses it
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MiB), as src.scaling.model_counts uses it
 
 # Precision classes with a calibration: full precision (FP32, or TF32 tensor cores) and PyTorch's native
 # automatic mixed precision (torch.autocast with a GradScaler, or Lightning's 16-mixed / bf16-mixed, which use

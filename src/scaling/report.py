@@ -21,7 +21,7 @@ from typing import Literal
 
 import yaml
 
-from src.scaling.versions import next_version
+from src.scaling.version_folders import next_version
 
 Strategy = Literal["single", "split_allreduce", "split_allreduce_processes", "ddp"]
 

@@ -4,7 +4,7 @@ own teardown did not run, so its namespaces and the processes in them would stay
 import os
 import signal
 
-from src.lab.network import namespaces, run_ip
+from src.lab.namespaces import namespaces, run_ip
 
 
 def remove_labs_of(pid: int, rounds: int = 20) -> None:

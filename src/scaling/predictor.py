@@ -31,13 +31,13 @@ from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
 from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
                                    shaped)
-from src.scaling.network import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
+from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.step_precision import config_precision, precision_line
-from src.scaling.versions import next_version
+from src.scaling.version_folders import next_version
 
 Algorithm = Literal[ALGORITHMS]
 TRAIN_IMAGES = 60_000  # Fashion-MNIST's training set, before the validation hold-out

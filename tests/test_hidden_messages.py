@@ -1,7 +1,7 @@
 """A normal run prints no warnings: fit on one device, fit with ours across 2 processes, predict.
 
 Each command runs as a user would run it (`python -m src.cli` in a subprocess, children included), and every
-line it prints is checked. The only third-party messages a run hides are those of `src.run.quiet`.
+line it prints is checked. The only third-party messages a run hides are those of `src.run.hidden_messages`.
 """
 
 import logging
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from src.run import quiet
+from src.run import hidden_messages
 from tests.helpers import cli_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def _noise(lines: list[str]) -> list[str]:
 def test_the_filters_hide_only_their_own_message():
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
-        quiet.apply()
+        hidden_messages.apply()
         for message in ("`isinstance(treespec, LeafSpec)` is deprecated, use ...", "another deprecation"):
             warnings.warn_explicit(message, FutureWarning, "_pytree.py", 21,
                                    module="lightning.pytorch.utilities._pytree")
@@ -59,9 +59,10 @@ def test_the_filters_hide_only_their_own_message():
     assert [(str(w.message), w.filename) for w in caught] == [("another deprecation", "_pytree.py"),
                                                               ("`isinstance(treespec, LeafSpec)` is deprecated",
                                                                "mine.py"), (gather, "mine.py")]
-    tip = logging.makeLogRecord({"msg": quiet.LITLOGGER_TIP + ", try installing litlogger", "levelno": logging.INFO})
+    tip = logging.makeLogRecord({"msg": hidden_messages.LITLOGGER_TIP + ", try installing litlogger",
+                                 "levelno": logging.INFO})
     other = logging.makeLogRecord({"msg": "GPU available: False, used: False", "levelno": logging.INFO})
-    logger = logging.getLogger(quiet.RANK_ZERO_LOGGERS[0])
+    logger = logging.getLogger(hidden_messages.RANK_ZERO_LOGGERS[0])
     assert not logger.filter(tip) and logger.filter(other)
 
 
@@ -81,11 +82,11 @@ def test_the_gpu_run_messages_are_hidden_and_only_they():
              "Precision 16-true is not supported by something else"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
-        quiet.apply()
+        hidden_messages.apply()
         for message in hidden + shown:
             warnings.warn_explicit(message, UserWarning, "setup.py", 176, module="lightning.pytorch.trainer.setup")
     assert [str(w.message) for w in caught] == shown
-    logger = logging.getLogger(quiet.RANK_ZERO_LOGGERS[1])
+    logger = logging.getLogger(hidden_messages.RANK_ZERO_LOGGERS[1])
     tip = logging.makeLogRecord({"msg": "You are using a CUDA device ('NVIDIA H200') that has Tensor Cores. To "
                                         "properly utilize them, you should set ...", "levelno": logging.INFO})
     used = logging.makeLogRecord({"msg": "GPU available: True (cuda), used: True", "levelno": logging.INFO})
