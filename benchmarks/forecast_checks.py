@@ -3,6 +3,7 @@
     python -m benchmarks.forecast_checks allreduce            # fresh timings (about a minute) vs the calibration
     python -m benchmarks.forecast_checks epoch logs/scaling/lenet/version_0   # a scaling report vs predictions
     python -m benchmarks.forecast_checks d2l                  # sanity check against d2l.ai's MXNet figures
+    python -m benchmarks.forecast_checks published            # ranges against published multi-GPU measurements
 
 `allreduce` times `dist.all_reduce` and our ring again (a run independent of the one the calibration was fitted
 on) and compares each with the fitted alpha-beta prediction. The goal, ±30% for P = 2, is judged at three
@@ -18,19 +19,31 @@ version of d2l.ai's chapter (gluon's `split_and_load` and trainer, not PyTorch's
 per-step overhead is fitted on the same chapters' one-GPU times. It feeds the model those one-GPU epoch times, our
 gradient sizes, PCIe 3.0 at its line rate (assumed interconnect) and reduce-to-GPU-0-then-broadcast, and prints
 its two-GPU predictions next to the chapters' figures. The validation against published multi-GPU
-measurements is `python -m benchmarks.scaling_validation`.
+measurements is `published`.
+
+`published`: each row of `src/scaling/calibration/published_scaling.csv` (its source, file, commit and row are in
+the table) is predicted from what a user would give the predictor: the parameter count, the one-GPU images/s at the
+batch per GPU, the hardware preset, the GPU count and the precision (`src.scaling.published.predict_setting`,
+ring allreduce, float32 gradients). The sync-overhead bounds are fitted on the calibration rows only; the
+held-out rows (other networks, systems, software releases and frameworks) are never fitted to. Rows whose
+precision has no calibrated kind (NVIDIA's APEX AMP) are predicted as "unknown", with both kinds' bounds.
+It prints a markdown table, one line per row, then a summary per split: the share of rows whose published
+efficiency lies inside the predicted range, the median |midpoint of the range - published| and the median width
+of the range.
 """
 
 import argparse
 import csv
 import json
 import math
+import statistics
 from pathlib import Path
 
 from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Job, Link, Links, predict_step, ring_allreduce_s
 from src.scaling.hardware import LINKS
 from src.scaling.model_counts import inspect_network
+from src.scaling.published import bounds_for, fit_sync, load_table, predict_setting, setting_of
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
 
 LENET = "src.models.classifier.LeNetClassifier"
@@ -127,6 +140,38 @@ def check_d2l() -> None:
               f"| {two.exchange_s * 1e3:.2f} | {two.compute_s * 1e3:.2f} |")
 
 
+def check_published() -> dict[str, dict[str, float]]:
+    """Print the table and summary; return {split: {"rows", "inside", "median_error", "median_width"}}."""
+    print("| split | row | network | system | precision | GPUs | published | predicted range | midpoint "
+          "| point | inside |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    results: dict[str, list[tuple[bool, float, float]]] = {}
+    for r in load_table():
+        band = predict_setting(setting_of(r), bounds_for(r.precision_class))
+        low, high = band.low.efficiency, band.high.efficiency
+        mid = (low + high) / 2
+        inside = low <= r.efficiency <= high
+        results.setdefault(r.split, []).append((inside, abs(mid - r.efficiency), high - low))
+        precision = r.precision if r.precision_class else f"{r.precision} (as unknown)"
+        print(f"| {r.split} | {r.id} | {r.network} | {r.system} | {precision} | {r.gpus} | {r.efficiency:.3f} "
+              f"| {low:.3f}–{high:.3f} | {mid:.3f} | {band.point.efficiency:.3f} | {'yes' if inside else 'no'} |")
+    print()
+    for name, fit in fit_sync().items():
+        print(f"sync overhead, {name}: {fit.bounds[0]:.2%} to {fit.bounds[1]:.2%} (mean {fit.mean:.2%} of "
+              f"{len(fit.implied)} calibration rows, pooled spread {fit.spread:.2%}, t {fit.t:.3f})")
+    summary = {}
+    print("\n| split | rows | inside the range | median abs(midpoint - published) | median width |")
+    print("|---|---|---|---|---|")
+    for split, rows in results.items():
+        summary[split] = {"rows": len(rows), "inside": sum(i for i, _, _ in rows) / len(rows),
+                          "median_error": statistics.median(e for _, e, _ in rows),
+                          "median_width": statistics.median(w for _, _, w in rows)}
+        s = summary[split]
+        print(f"| {split} | {s['rows']} | {sum(i for i, _, _ in rows)} ({s['inside']:.0%}) | {s['median_error']:.3f} "
+              f"| {s['median_width']:.3f} |")
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -137,6 +182,7 @@ def main() -> None:
     e.add_argument("report", help="a scaling report folder, e.g. logs/scaling/lenet/version_0")
     e.add_argument("--epoch_images", type=int, default=59_000, help="configs/lenet.yaml holds out 1,000")
     sub.add_parser("d2l")
+    sub.add_parser("published")
     for p in (a, e):
         p.add_argument("--calibration", default=DEFAULT_CALIBRATION)
     args = parser.parse_args()
@@ -144,8 +190,10 @@ def main() -> None:
         check_allreduce(args.calibration, json.loads(args.processes), args.repeats)
     elif args.what == "epoch":
         check_epoch(args.report, args.calibration, args.epoch_images)
-    else:
+    elif args.what == "d2l":
         check_d2l()
+    else:
+        check_published()
 
 
 if __name__ == "__main__":

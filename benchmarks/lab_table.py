@@ -6,14 +6,15 @@
     python -m benchmarks.lab_table --model lenet --rates 1gbit,100mbit --layouts "$(python -m benchmarks.lab_table \
         --list-compressed)" --json /tmp/compressed.json        # gradient compression, ours and DDP's hooks
 
-Measures, like `benchmarks/lab_scaling.py` (whose runs it reuses):
+Measures, each trial a real `python -m src.cli fit` (in the lab: `python -m src.lab run --machines 2 --link RATE`,
+machine I on core I, 1 thread):
 
 * one core (1 process alone on core 0, 1 thread) at the global batch B and at B / 2, every round: images/s at B
   is the speedup's baseline, and the two step times give the predictor its compute (a line through them: fixed
   seconds per step and seconds per image of one replica);
 * every rate and layout in the lab, every round;
 
-each as the median step time of one epoch (`benchmarks/step_times.py`, the first 5 steps left out), and
+each as the median step time of one epoch (`StepTimes` below, the first 5 steps left out), and
 images/s = B / that;
 * once per rate and layout, a short run with the step timeline (`src.callbacks.StepTimeline`): exposed and
   hidden communication per step, the medians of its `breakdown.csv` over both ranks.
@@ -29,20 +30,109 @@ import argparse
 import csv
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import yaml
 
-from benchmarks.lab_scaling import MODELS, PROCESSES, in_lab, one_core
-
-STEP_TIMES = ("--trainer.callbacks+=benchmarks.step_times.StepTimes",)
+PROCESSES = "configs/strategy/split_allreduce_processes.yaml"
+# model name: (experiment config, global batch). ResNet-18's 64 images (32 per machine) keep a CPU step near a
+# second on one core.
+MODELS = {"lenet": ("configs/lenet.yaml", 256), "resnet18": ("configs/resnet18.yaml", 64)}
+STEP_TIMES = ("--trainer.callbacks+=benchmarks.lab_table.StepTimes",)
 
 SMALL_BUCKET_MB = {"lenet": 0.0625, "resnet18": 4.0}  # the second bucket size: several buckets per step
 COMPRESSED = ("bf16", "powersgd r1", "powersgd r2", "powersgd r4")
 # PowerSGD's exact warm-up steps in the compressed layouts: 2, the fewest torch's hook takes with error feedback
 # and warm start, so that every timed step (from the 6th on) is compressed
 WARMUP = "2"
+
+
+def fit_args(out: Path, name: str, batches: int, epochs: int, extra: list[str], model: str = "lenet",
+             batch: int | None = None) -> list[str]:
+    """The CLI's arguments of one trial: `model` at its global batch (or `batch`), `epochs` epochs of `batches`
+    steps."""
+    config, default_batch = MODELS[model]
+    return ["-m", "src.cli", "fit", "--config", config, *extra, "--data.batch_size", str(batch or default_batch),
+            "--trainer.max_epochs", str(epochs), "--trainer.limit_train_batches", str(batches),
+            "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+            "--trainer.logger.init_args.save_dir", str(out / name)]
+
+
+def last_epoch_s(folder: Path) -> float:
+    """`time/epoch_s` of the last epoch in the newest event file under `folder`, in seconds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(folder.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(events):
+        ea = EventAccumulator(str(path))
+        ea.Reload()
+        if "time/epoch_s" in ea.Tags()["scalars"]:
+            return ea.Scalars("time/epoch_s")[-1].value
+    raise SystemExit(f"no time/epoch_s under {folder}")
+
+
+def one_core(out: Path, name: str, batches: int, epochs: int, model: str = "lenet", batch: int | None = None,
+             extra: tuple[str, ...] = ()) -> float:
+    """images/s of 1 process alone on core 0, 1 thread, at `model`'s global batch (or `batch`)."""
+    batch = batch or MODELS[model][1]
+    cmd = ["taskset", "-c", "0", sys.executable, *fit_args(out, name, batches, epochs, [
+        "--config", "configs/strategy/single.yaml", "--threads", "1", *extra], model, batch)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit("one core failed:\n" + (done.stdout + done.stderr)[-3000:])
+    return batches * batch / last_epoch_s(out / name)
+
+
+def in_lab(out: Path, name: str, rate: str, layout: str, batches: int, epochs: int, model: str,
+           extra: tuple[str, ...], layouts: dict[str, list[str]]) -> float:
+    """images/s of `layout` (a key of `layouts`) on 2 machines x 1 core at `rate`."""
+    cmd = [sys.executable, "-m", "src.lab", "run", "--machines", "2", "--link", rate, "--quiet",
+           "--out", str(out / name / "lab"), "--",
+           *fit_args(out, name, batches, epochs, [*layouts[layout], "--trainer.devices", "1", *extra], model)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        machine0 = (out / name / "lab" / "machine0.txt")
+        tail = machine0.read_text()[-3000:] if machine0.exists() else ""
+        raise SystemExit(f"{layout} at {rate} failed:\n" + (done.stdout + done.stderr)[-2000:] + tail)
+    return batches * MODELS[model][1] / last_epoch_s(out / name)
+
+
+class StepTimes(pl.Callback):
+    """Seconds between consecutive training-batch ends, on global rank 0, in `<log_dir>/step_times.json`.
+
+    Validation time is left out: the clock restarts at the first batch after a validation. The median of many
+    steps shrugs off the spells in which a shared machine's other work takes the core, which an epoch's total
+    (`time/epoch_s`) adds up: on the 2-core CPU single epochs moved by up to 40% between trials.
+
+    Args:
+        skip: Steps at the start of the fit left out (start-up and warm-up).
+    """
+
+    def __init__(self, skip: int = 5) -> None:
+        self.skip, self.seconds, self._last, self._seen = skip, [], None, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        self._seen += 1
+        if self._last is not None and self._seen > self.skip:
+            self.seconds.append(now - self._last)
+        self._last = now
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._last = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            # the logger's folder, not trainer.log_dir: that one is a collective every rank would have to join
+            folder = Path(trainer.logger.log_dir if trainer.logger else trainer.default_root_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "step_times.json").write_text(json.dumps(self.seconds))
 
 
 def layouts(model: str) -> dict[str, list[str]]:
@@ -132,7 +222,7 @@ def breakdown(folder: Path) -> dict[str, float]:
 
 
 def median_step_s(folder: Path) -> float:
-    """The median of the step times that `benchmarks/step_times.py` wrote under `folder`, in seconds."""
+    """The median of the step times that `StepTimes` wrote under `folder`, in seconds."""
     found = sorted(folder.rglob("step_times.json"))
     if not found:
         raise SystemExit(f"no step_times.json under {folder}")

@@ -2,8 +2,8 @@
 
 For each buffer size (float32) the two implementations alternate, `repeats` times each after one warm-up call;
 every call starts after a barrier and its time is the slowest process's. The calibration
-(`src.scaling.calibrate`) fits its alpha and beta on these times, and `benchmarks/process_allreduce.py` prints
-them as a table.
+(`src.scaling.calibrate`) fits its alpha and beta on these times, and `python -m benchmarks.allreduce_speed
+processes` prints them as a table.
 """
 
 import json

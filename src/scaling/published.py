@@ -9,7 +9,8 @@ and the source (repository, file, commit and the row as it is labelled there). E
 * The sync overhead (`src.scaling.cost_model.predict_step`) is fitted on the calibration rows only, per
   precision class: each row implies one value, and the bounds are a prediction interval around the class's
   mean (`fit_sync`).
-* The held-out rows are never fitted to; `benchmarks/scaling_validation.py` reports how the ranges do on both.
+* The held-out rows are never fitted to; `python -m benchmarks.forecast_checks published` reports how the ranges
+  do on both.
 
 Pure Python (csv and math): importing it loads neither torch nor Lightning.
 """

@@ -134,7 +134,7 @@ def resolve_links(name: str, calibration: str) -> tuple[Link, Link, str]:
         cal = load_calibration(calibration)
         if key not in cal.get("allreduce", {}):
             raise ValueError(f"{calibration} has no timings of the {name} link: measure them as root with "
-                             "`python -m src.lab run --machines 2 --link none -- benchmarks/lab_allreduce.py "
+                             "`python -m src.lab run --machines 2 --link none -- benchmarks/allreduce_speed.py lab "
                              f"--calibration {calibration}`")
         fit = cal["allreduce"][key]
         link = Link(fit["alpha_s"], fit["beta_s_per_byte"])

@@ -1,7 +1,7 @@
 """Intra-op threads on a quiet and on a shared CPU: the CLI's own choice against fixed counts, alternated rounds.
 
-    python -m benchmarks.threads                 # needs the real data (scripts/get_data.sh)
-    python -m benchmarks.threads --rounds 5 --steps 200
+    python -m benchmarks.intra_op_threads                 # needs the real data (scripts/get_data.sh)
+    python -m benchmarks.intra_op_threads --rounds 5 --steps 200
 
 Every trial is a real `python -m src.cli fit --config configs/lenet.yaml` (one device, global batch 64) for
 `--steps` training steps, in a fresh process, with one of these settings:

@@ -1,0 +1,52 @@
+"""File names a reader can trust: no two modules of src/ share a name, and benchmarks/ holds few scripts, each
+named in benchmarks/README.md next to what it measures."""
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_BENCHMARK_SCRIPTS = 16
+
+
+def _shared_names(root: Path) -> dict[str, list[str]]:
+    """The `*.py` file names that more than one module under `root` bears (`__init__.py`, `__main__.py` aside),
+    each with the modules' paths relative to `root`."""
+    paths = defaultdict(list)
+    for path in sorted(root.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            paths[path.name].append(path.relative_to(root).as_posix())
+    return {name: found for name, found in paths.items() if len(found) > 1}
+
+
+def test_no_two_modules_of_src_share_a_file_name():
+    assert _shared_names(ROOT / "src") == {}
+
+
+def test_a_shared_file_name_is_found(tmp_path):
+    for folder in ("a", "b", "c"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "a" / "report.py").write_text("")
+    (tmp_path / "b" / "report.py").write_text("")
+    (tmp_path / "c" / "table.py").write_text("")
+    assert _shared_names(tmp_path) == {"report.py": ["a/report.py", "b/report.py"]}
+
+
+def _benchmark_scripts() -> list[str]:
+    """The scripts of benchmarks/: every `*.py` file there but the package's `__init__.py`."""
+    return sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py")
+
+
+def _scripts_list(readme: str) -> dict[str, str]:
+    """The README's "Scripts" list: `- `name.py`: what it measures` lines under a `## Scripts` heading."""
+    section = readme.split("\n## Scripts\n", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^- `([\w.]+\.py)`:? (.+)$", section, re.MULTILINE)}
+
+
+def test_benchmarks_keep_few_scripts_each_listed_in_the_readme_with_what_it_measures():
+    scripts = _benchmark_scripts()
+    assert 0 < len(scripts) <= MAX_BENCHMARK_SCRIPTS, scripts
+    listed = _scripts_list((ROOT / "benchmarks" / "README.md").read_text())
+    assert sorted(listed) == scripts  # every script listed, and no script listed that is gone
+    assert all(len(what.split()) >= 3 for what in listed.values()), listed
