@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers import cli_args
 from tests.helpers.idx import write_fashion_mnist
@@ -62,3 +63,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, this machine has {gpus} "
                        "(run on a GPU machine: bash scripts/gpu_check.sh)"))
+
+
+@pytest.fixture
+def own_environment():
+    """Lightning's DDP in this process leaves its process group (gloo or NCCL) initialised (it is destroyed at exit,
+    src/run/cleanup.py) and sets MASTER_ADDR, MASTER_PORT and rank variables in the environment: destroy the one
+    and restore the other afterwards, so later tests in the same process start from a clean state."""
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

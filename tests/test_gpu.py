@@ -93,19 +93,6 @@ def test_resnet18_sync_batchnorm_on_cuda_equals_one_gpu(tiny_data_dir):
     assert_replicas_bitwise_equal(snap, 2)
 
 
-@pytest.fixture
-def own_environment():
-    """Lightning's DDP in this process leaves its NCCL process group initialised (it is destroyed at exit,
-    src/run/cleanup.py) and sets MASTER_ADDR, MASTER_PORT and rank variables in the environment: destroy the one
-    and restore the other afterwards, so later tests in the same process start from a clean state."""
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_ddp_gpu_overlay_on_one_gpu_trains_over_nccl(tiny_data_dir, tmp_path, own_environment):
     cli = main([*LENET, "--config", "configs/strategy/ddp_gpu.yaml", "--trainer.devices", "1",
                 *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "false"])

@@ -2,17 +2,15 @@
 says which scalars it does not write (checked in its TensorBoard event files)."""
 
 import logging
-import os
 import re
 import warnings
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.cli import main, run
-from src.run import quiet
+from src.run import hidden_messages
 
 LENET = ["--config", "configs/lenet.yaml"]
 OURS = ["--config", "configs/strategy/split_allreduce.yaml"]  # 2 replicas in this process
@@ -37,25 +35,13 @@ def _scalars(run: Path) -> dict[str, list[int]]:
     return found
 
 
-@pytest.fixture
-def leaves_no_process_group():
-    """DDP in this process sets MASTER_ADDR and the like and opens a gloo group of one: both are undone after the
-    test, so no later test in this process runs as if distributed."""
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("strategy, overlay, layout", [
     ("single", [], ("1", "1")),
     ("split_allreduce", OURS, ("1", "2")),
     ("ddp", ["--trainer.strategy", "ddp", "--trainer.devices", "1"], ("1", "1")),  # DDP's one process, in this one
 ])
 def test_the_epoch_line_names_the_strategy_beside_the_layout(strategy, overlay, layout, fast_args, caplog,
-                                                             leaves_no_process_group):
+                                                             own_environment):
     with caplog.at_level(logging.INFO):
         main(["fit", *LENET, *overlay, *fast_args, "--test_after_fit", "false"])
     [line] = _lines(caplog, "epoch 0:")
@@ -128,7 +114,7 @@ def test_lightnings_logging_interval_warning_is_replaced():
     shown = "The number of training batches (3) is smaller than something else"
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
-        quiet.apply()
+        hidden_messages.apply()
         for message in (hidden, shown):
             warnings.warn_explicit(message, UserWarning, "fit_loop.py", 321, module="lightning.pytorch.loops.fit_loop")
     assert [str(w.message) for w in caught] == [shown]
