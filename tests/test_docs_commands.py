@@ -236,42 +236,53 @@ def _run_folder(result: dict, work: Path) -> Path:
 
 
 def _check_fit(command: Command, args: list[str], result: dict, work: Path, before: set, shown: str) -> None:
+    """Every claim of the docs about a fit's output, each checked even when another fails (all are reported)."""
     run = _run_folder(result, work)
     assert run.is_dir() and run not in before, shown
-    _check_stdout_stderr_split(result, shown)
-    single = "--config" in args and not any("strategy/" in a for a in args) and "profile.yaml" not in " ".join(args)
+    single = not any("strategy/" in a for a in args) and "configs/profile.yaml" not in args
+    checks = [lambda: _check_stdout_stderr_split(result), lambda: _check_run_folder_sketch(run)]
     if single:  # README's example lines are a one-device run
-        _check_readme_example_lines(result, shown)
+        checks.append(lambda: _check_readme_example_lines(result))
     for example in command.example_output:
         if example.startswith("epoch "):
-            pattern = re.compile(_number_pattern(example))
-            assert any(pattern.fullmatch(line) for line in result["stdout"].splitlines()), \
-                f"{command.id} shows `{example}`; no stdout line has that shape ({pattern.pattern})\n{shown}"
-    _check_run_folder_sketch(run, shown)
+            checks.append(lambda example=example: _check_example_epoch_line(command, example, result))
     if "configs/profile.yaml" in args:
-        _check_timeline(result, run, shown)
+        checks.append(lambda: _check_timeline(result, run))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except AssertionError as failed:
+            problems.append(str(failed))
+    assert not problems, "\n\n".join(problems) + "\n\n" + shown
 
 
-def _check_stdout_stderr_split(result: dict, shown: str) -> None:
+def _check_example_epoch_line(command: Command, example: str, result: dict) -> None:
+    pattern = re.compile(_number_pattern(example))
+    assert any(pattern.fullmatch(line) for line in result["stdout"].splitlines()), \
+        f"{command.id} shows `{example}`; no stdout line has that shape ({pattern.pattern})"
+
+
+def _check_stdout_stderr_split(result: dict) -> None:
     """README: the epoch lines go to stdout; the test accuracy line and Lightning's own messages to stderr."""
     sentence = re.search(r"The test accuracy line and Lightning's\s+own messages go to stderr", README)
     epoch = re.compile(_number_pattern(_readme_examples()[0].split(":")[0] + ":"))
     assert re.search(r"^test acc ", result["stderr"], re.M) and not re.search(r"^test acc ", result["stdout"], re.M), \
-        shown
-    assert any(epoch.match(line) for line in result["stdout"].splitlines()), shown
+        "README: the test accuracy line goes to stderr"
+    assert any(epoch.match(line) for line in result["stdout"].splitlines()), "README: the epoch lines go to stdout"
     if sentence:  # then nothing but the epoch lines may be on stdout
         others = [line for line in result["stdout"].splitlines() if line.strip() and not epoch.match(line)]
-        assert not others, f"README says Lightning's own messages go to stderr; on stdout: {others[:6]}\n{shown}"
+        assert not others, f"README says Lightning's own messages go to stderr; on stdout: {others[:6]}"
 
 
-def _check_readme_example_lines(result: dict, shown: str) -> None:
+def _check_readme_example_lines(result: dict) -> None:
     for example in _readme_examples():
         pattern = _number_pattern(example)
         # the example's run folder is the default logs/...; any version
         pattern = pattern.replace(re.escape("logs/lenet/"), r"(?:\S*/)?logs/lenet/")
         lines = (result["stdout"] + result["stderr"]).splitlines()
         assert any(re.fullmatch(pattern, line) for line in lines), \
-            f"README shows `{example}`; no line of the run has that shape ({pattern})\n{shown}"
+            f"README shows `{example}`; no line of the run has that shape ({pattern})"
 
 
 def _sketch() -> tuple[list[str], list[str]]:
@@ -290,7 +301,7 @@ def _sketch() -> tuple[list[str], list[str]]:
     return files, tags
 
 
-def _check_run_folder_sketch(run: Path, shown: str) -> None:
+def _check_run_folder_sketch(run: Path) -> None:
     files, tags = _sketch()
     present = [str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()]
     for name in files:
@@ -315,13 +326,13 @@ def _event_tags(run: Path) -> set[str]:
     return tags
 
 
-def _check_timeline(result: dict, run: Path, shown: str) -> None:
+def _check_timeline(result: dict, run: Path) -> None:
     text = (ROOT / "docs" / "timeline.md").read_text()
     example = re.search(r"^(step timeline of .*)$", text, re.M).group(1)
     pattern = _number_pattern(example).replace(re.escape("logs/lenet/ddp-2x1-cpu/version_"), r"\S*logs/lenet/"
                                                                                             r"ddp-2x1-cpu/version_")
     lines = (result["stdout"] + result["stderr"]).splitlines()
-    assert any(re.fullmatch(pattern, line) for line in lines), f"docs/timeline.md shows `{example}`\n{shown}"
+    assert any(re.fullmatch(pattern, line) for line in lines), f"docs/timeline.md shows `{example}`; none printed"
     files = re.findall(r"^\| `([^`]+)`", text, re.M)
     written = [p.name for p in (run / "timeline").iterdir()]
     for name in files:
