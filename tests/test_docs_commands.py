@@ -245,9 +245,9 @@ def _check_fit(command: Command, args: list[str], result: dict, work: Path, befo
     """Every claim of the docs about a fit's output, each checked even when another fails (all are reported)."""
     run = _run_folder(result, work)
     assert run.is_dir() and run not in before, shown
-    single = not any("strategy/" in a for a in args) and "configs/profile.yaml" not in args
+    single = not any("strategy/" in a or a in ("configs/profile.yaml", "--ckpt_path") for a in args)
     checks = [lambda: _check_stdout_stderr_split(result), lambda: _check_run_folder_sketch(run)]
-    if single:  # README's example lines are a one-device run
+    if single:  # README's example lines are a fresh one-device run (a resumed one adds its restart)
         checks.append(lambda: _check_readme_example_lines(result))
     examples = [line for line in command.example_output if line.startswith("epoch ")]
     if examples:  # each shows another epoch: the short run has the shape of one of them
