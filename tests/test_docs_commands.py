@@ -196,14 +196,19 @@ def test_documented_command(command: Command, runner, tmp_path):
     if reason is not None:
         pytest.skip(f"{command.text[:60]}...: {reason}")
     work = runner.workdir(command.id.replace("/", "_").replace(":", "_"), runner.base)
-    for text in expand_loop(_fill_in(command.text, _previous_full(command))):
+    problems = []
+    for text in expand_loop(_fill_in(command.text, _previous_full(command))):  # a loop's runs: each checked
         argv = shlex.split(text)
-        if argv[0] == "tensorboard":
-            _check_tensorboard(argv, work)
-        elif argv[:2] == ["python", "-m"]:
-            _run_python_m(command, argv[2], argv[3:], work, runner)
-        else:
-            pytest.fail(f"{command.id}: no way to run `{text}`: run it here, or add it to SKIPPED with the reason")
+        try:
+            if argv[0] == "tensorboard":
+                _check_tensorboard(argv, work)
+            elif argv[:2] == ["python", "-m"]:
+                _run_python_m(command, argv[2], argv[3:], work, runner)
+            else:
+                pytest.fail(f"{command.id}: no way to run `{text}`: run it here, or add it to SKIPPED with the reason")
+        except AssertionError as failed:
+            problems.append(f"`{text}`: {failed}")
+    assert not problems, "\n\n".join(problems)
 
 
 def _run_python_m(command: Command, module: str, args: list[str], work: Path, runner: Runner) -> None:
