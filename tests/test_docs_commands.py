@@ -227,7 +227,9 @@ def _run_python_m(command: Command, module: str, args: list[str], work: Path, ru
     if module == "src.cli" and args[0] == "fit" and "--print_config" not in args:
         _check_fit(command, args, result, work, before, shown)
     elif module == "src.cli" and args[0] == "predict":
-        _check_predict(result, work, shown)
+        _check_predict(result, work, before, shown)
+    elif module == "src.cli" and args[0] in ("validate", "test"):
+        _check_stage_folder(args[0], work, before, shown)
     elif module == "src.cli" and args[0] == "fit":
         assert "trainer:" in result["stdout"] and "model:" in result["stdout"], shown
 
@@ -357,11 +359,23 @@ def _check_timeline(result: dict, run: Path) -> None:
     assert any(re.fullmatch(r"timeline/rank\d+/\w+_ms", t) for t in found), sorted(found)
 
 
-def _check_predict(result: dict, work: Path, shown: str) -> None:
+def _check_stage_folder(stage: str, work: Path, before: set, shown: str) -> None:
+    """docs/compare-runs.md: `validate` and `test` write their runs under `logs/lenet/<stage>/<layout>/`."""
+    text = " ".join((ROOT / "docs" / "compare-runs.md").read_text().split())
+    example = re.search(r"write their runs under a stage folder, `(logs/lenet/test/[^`]+)`", text).group(1)
+    pattern = re.sub(r"<\w+>", r"\\w+", re.escape(example.replace("/test/", f"/{stage}/"))) + ".+"
+    new = [str(p.relative_to(work)) for p in (work / "logs").rglob("*") if p.is_file() and p not in before]
+    assert any(re.fullmatch(pattern, p) for p in new), f"docs/compare-runs.md: `{stage}` writes its run under " \
+        f"{example.replace('/test/', f'/{stage}/')}; new files: {new}\n{shown}"
+
+
+def _check_predict(result: dict, work: Path, before: set, shown: str) -> None:
     text = (ROOT / "docs" / "predict.md").read_text()
     example = re.search(r"`(predictions: [^`]+)`", text).group(1)
     csv = work / "logs" / "lenet" / "predict" / "predictions_0.csv"
     assert csv.is_file(), f"docs/predict.md and README say the CSV is logs/lenet/predict/predictions_0.csv\n{shown}"
+    new = [p for p in (work / "logs").rglob("*") if p.is_file() and p not in before]
+    assert new == [csv], f"docs/predict.md: a predict run adds nothing but its CSV; it wrote {new}"
     assert len(csv.read_text().splitlines()) == 1 + 3, csv.read_text()
     pattern = _number_pattern(example).replace(re.escape("/home/me/fmnist/"), re.escape(str(work.resolve())) + "/")
     lines = (result["stdout"] + result["stderr"]).splitlines()
