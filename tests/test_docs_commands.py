@@ -407,6 +407,8 @@ def _compare_runs_promises() -> dict[str, list[str]]:
         "more_columns": [c for c in re.findall(r"`([a-z_/]+)`", away) if c not in
                          ("none", "ring", "reduce_broadcast", "hierarchical", "torch", "bf16", "powersgd")],
         "left_out": re.findall(r"`(\w+)`", left_out),
+        "row_name": re.search(r"e\.g\.\s+`(v\d+ [^`]+)`", hparams_bullet).group(1),
+        "length": re.search(r"what the run actually trained, e\.g\.\s+`([^`]+)`", hparams_bullet).group(1),
         "metrics": re.findall(r"^\s*\| `(hp/\w+)` \|", hparams_bullet, re.M),
         "per_class": [t.replace("<class>", "T-shirt_top") for t in re.findall(r"`(\w+/acc_per_class/<class>)`",
                                                                                 per_class)],
@@ -485,8 +487,13 @@ def _check_served(base: str, runs: list[str], logdir: str) -> None:
          "startIndex": 0, "sliceSize": 100}).encode())
     rows = {g["name"]: g for g in groups["sessionGroups"]}
     for layout in layouts:
-        row = next((g for name, g in rows.items() if layout in name), None)
+        name, row = next(((name, g) for name, g in rows.items() if f"/{layout} " in name), (None, None))
         assert row is not None, f"HPARAMS has no row for {layout}: {list(rows)}"
+        example = promised["row_name"]  # e.g. `v0 lenet/ddp-2x1-cpu (/home/me/logs)`
+        shape = _number_pattern(example.split(" (")[0].replace("ddp-2x1-cpu", layout))
+        assert re.fullmatch(shape + r" \(.+\)", name), f"docs/compare-runs.md: a row is named like `{example}`: {name}"
+        length = row["hparams"]["run/length"]
+        assert re.fullmatch(_number_pattern(promised["length"]), length), (promised["length"], length)
         strategy = layout.split("-")[0]
         assert row["hparams"]["run/strategy"] == strategy, row["hparams"]
         assert {m["name"]["tag"] for m in row["metricValues"]} >= set(promised["metrics"]), row["metricValues"]
