@@ -62,9 +62,8 @@ def main(preload: list[str]) -> None:
     for name in preload:
         importlib.import_module(name)
     # an entry module imported here would be run a second time by runpy, which warns about it on stderr
-    for name in [n for n in sys.modules if n.split(".")[-1] in ("cli", "forecast", "__main__") and n != "__main__"]:
-        if name.startswith("src."):
-            del sys.modules[name]
+    for name in ("src.cli", "src.forecast", "src.scaling.__main__", "src.lab.__main__"):
+        sys.modules.pop(name, None)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
