@@ -280,15 +280,22 @@ def _check_example_epoch_line(command: Command, examples: list[str], result: dic
 
 
 def _check_stdout_stderr_split(result: dict) -> None:
-    """README: the epoch lines go to stdout; the test accuracy line and Lightning's own messages to stderr."""
-    sentence = re.search(r"The test accuracy line and Lightning's\s+own messages go to stderr", README)
+    """README: stdout holds the run's report (the kinds of line its sentence lists) and nothing else; the test
+    accuracy line goes to stderr."""
+    sentence = re.search(r"stdout holds the run's report: the epoch\s+lines, a resumed run's `restart …` and "
+                         r"`finished …` lines, a profiled run's `step timeline …` line and Lightning's\s+"
+                         r"`Test metric` table\.", README)
+    assert sentence, "README no longer says what stdout holds: update this check with it"
     epoch = re.compile(_number_pattern(_readme_examples()[0].split(":")[0] + ":"))
     assert re.search(r"^test acc ", result["stderr"], re.M) and not re.search(r"^test acc ", result["stdout"], re.M), \
         "README: the test accuracy line goes to stderr"
     assert any(epoch.match(line) for line in result["stdout"].splitlines()), "README: the epoch lines go to stdout"
-    if sentence:  # then nothing but the epoch lines may be on stdout
-        others = [line for line in result["stdout"].splitlines() if line.strip() and not epoch.match(line)]
-        assert not others, f"README says Lightning's own messages go to stderr; on stdout: {others[:6]}"
+    report = re.compile(r"(?:restart \d+: |finished at step |step timeline of )")
+    # Lightning's table: its rules, its header and one row per metric (test/...)
+    table = re.compile(r"─+|\s*Test metric\s+DataLoader 0\s*|\s*test/\S+\s+\S+\s*")
+    others = [line for line in result["stdout"].splitlines()
+              if line.strip() and not (epoch.match(line) or report.match(line) or table.fullmatch(line))]
+    assert not others, f"README lists what stdout holds; stdout also holds: {others[:6]}"
 
 
 def _check_readme_example_lines(result: dict) -> None:
