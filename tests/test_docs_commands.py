@@ -44,8 +44,8 @@ SKIPPED = [
     (r"^sudo python -m src\.lab run .*configs/profile\.yaml", "a lab job with the step timeline: the lab's jobs "
      "run in tests/test_lab_jobs.py and the timeline's command (docs/timeline.md) runs here; the two together "
      "take minutes of shaped 100 Mbit/s traffic"),
-    (r"^sudo python -m (benchmarks\.lab_table|src\.lab run .* benchmarks/lab_)", "a lab benchmark: minutes of "
-     "measurement on shaped links, its figures in benchmarks/README.md"),
+    (r"^sudo python -m (benchmarks\.lab_table|src\.lab run .* benchmarks/(lab_|allreduce_speed\.py lab))",
+     "a lab benchmark: minutes of measurement on shaped links, its figures in benchmarks/README.md"),
     (r"^ip netns exec", "a template of the line the lab runs on each machine (MIN, N, K, CORES, COMMAND are "
                         "placeholders); tests/test_lab_jobs.py runs the lab that writes it"),
     (r"torchrun --nnodes 2:3", "needs 2 to 3 machines and a shared folder; tests/test_elastic.py runs the same "
@@ -308,8 +308,12 @@ def _check_readme_example_lines(result: dict) -> None:
             f"README shows `{example}`; no line of the run has that shape ({pattern})"
 
 
-def _sketch() -> tuple[list[str], list[str]]:
-    """docs/data-and-configs.md's run-folder sketch: (file name patterns, TensorBoard tags in its comments)."""
+def _sketch() -> tuple[list[str], list[tuple[str, str | None]]]:
+    """docs/data-and-configs.md's run-folder sketch: (file name patterns, TensorBoard tags in its comments).
+
+    Each tag comes with the strategy it is listed under (`under split_allreduce …`), or None for every run; a tag
+    the sketch says appears only sometimes (`(when any image is)`) is left out.
+    """
     text = (ROOT / "docs" / "data-and-configs.md").read_text()
     body = next(b for lang, b in FENCE.findall(text) if not lang and "events.out.tfevents" in b)
     files, comments = [], ""
@@ -319,8 +323,14 @@ def _sketch() -> tuple[list[str], list[str]]:
             files.append(name.group(1))
         if "#" in line:
             comments += " " + line.split("#", 1)[1]
-    after_tb = comments.split("TensorBoard:", 1)[1].split("checkpoints", 1)[0]
-    tags = re.findall(r"([\w-]+/[\w*-]+)", after_tb)
+    after_tb = comments.split("TensorBoard scalars:", 1)[1].split("checkpoints", 1)[0]
+    tags = []
+    for segment in after_tb.split(";"):
+        strategy = re.search(r"under (\w+)", segment)
+        for tag in re.finditer(r"([\w-]+/[\w*<>/-]*[\w*>])(\s*\(when any image is\))?", segment):
+            if not tag.group(2):
+                tags.append((tag.group(1), strategy.group(1) if strategy else None))
+    assert len(tags) >= 10, f"read only {tags} from docs/data-and-configs.md's sketch: update _sketch with the text"
     return files, tags
 
 
@@ -332,8 +342,11 @@ def _check_run_folder_sketch(run: Path) -> None:
         assert any(re.fullmatch(r"(?:checkpoints/)?" + pattern, p) for p in present), \
             f"docs/data-and-configs.md's sketch lists {name}; the run folder holds {sorted(present)}"
     found = _event_tags(run)
-    for tag in tags:
-        ok = any(t.startswith(tag[:-1]) for t in found) if tag.endswith("*") else tag in found
+    for tag, strategy in tags:
+        if strategy is not None and not run.parent.name.startswith(strategy + "-"):
+            continue
+        prefix = tag.split("<", 1)[0].rstrip("*")
+        ok = any(t.startswith(prefix) for t in found) if prefix != tag else tag in found
         assert ok, f"docs/data-and-configs.md's sketch lists the tag {tag}; the run wrote {sorted(found)}"
 
 
