@@ -292,7 +292,7 @@ def _agreement_rank(rank: int, store: str, results=None) -> tuple:
     code, first as built, then after rank 1 alone froze the head. Returns (agreed code, counted global batch, code
     after the change, that code again, the refusal's message or None), and puts it on `results` if given."""
     from src.strategies import process_sync
-    from src.strategies.replica_set import Replica0Watch
+    from src.strategies.replicas import Replica0Watch
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from src.sharding import check_enough_samples
 from src.strategies.comm.gradient_exchange import copy_back_, flatten
-from src.strategies.replicate import ReplicaDesyncError, check_in_sync, sync_buffers_
+from src.strategies.replicas import ReplicaDesyncError
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -134,23 +134,3 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
         return lambda: total
     return result
 
-
-def sync_all_buffers_(replicas: list[nn.Module], mode: str, across_processes: bool) -> None:
-    """Make the buffers of every replica equal: among this process's replicas (`mode`), then, with several
-    processes, between them (local replica 0's, `mode`), and back to the other local replicas."""
-    sync_buffers_(replicas, mode)
-    if across_processes:
-        sync_buffers_between_processes_(replicas[0], mode)
-        sync_buffers_(replicas, "broadcast")
-
-
-def check_all_in_sync(replicas: list[nn.Module], devices: list[torch.device], step: int,
-                      across_processes: bool) -> None:
-    """Check that every local replica equals local replica 0 and, with several processes, that it equals rank 0's.
-
-    Raises:
-        ReplicaDesyncError: Naming the first replica (or rank), device and tensor that differ, and the step.
-    """
-    check_in_sync(replicas, devices, step)
-    if across_processes:
-        check_in_sync_between_processes(replicas[0], step)
