@@ -26,7 +26,7 @@ from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
-from src.strategies.comm.vocabulary import exchange_name
+from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup

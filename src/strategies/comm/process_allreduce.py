@@ -18,7 +18,7 @@ from torch import Tensor
 
 from src.strategies.comm.allreduce import ring_chunk_sizes, ring_step
 from src.strategies.comm.hierarchical import BetweenProcesses
-from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, check_choice
+from src.strategies.comm.exchange_names import BETWEEN_PROCESSES, check_choice
 from src.timeline.labels import phase
 
 
