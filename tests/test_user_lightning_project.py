@@ -301,19 +301,19 @@ def _agreement_rank(rank: int, store: str, results=None) -> tuple:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         watch = Replica0Watch([model])
         watch.follow_trainable()
-        agreed = watch.agreement_code(optimizer)
+        agreed = process_sync.agreement_code(watch, optimizer)
         # 12 + 13 samples: the count is the real sum over the two processes
         total = process_sync.count_global_batch(12 + rank, torch.device("cpu"), 2, False, agreement=agreed)()
         if rank == 1:
             model.head.requires_grad_(False)  # a change made on one rank only, as under rank_zero_only
             watch.follow_trainable()
-        code = watch.agreement_code(optimizer)
+        code = process_sync.agreement_code(watch, optimizer)
         try:
             process_sync.count_global_batch(12 + rank, torch.device("cpu"), 2, False, agreement=code)()
             refused = None
         except RuntimeError as err:
             refused = str(err)
-        seen = (agreed, total, code, watch.agreement_code(optimizer), refused)
+        seen = (agreed, total, code, process_sync.agreement_code(watch, optimizer), refused)
     finally:
         dist.destroy_process_group()
     if results is not None:

@@ -15,7 +15,6 @@ Group settings (lr, momentum, ...) are not watched: they are copied into every c
 """
 
 import copy
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,6 @@ from src.timeline.labels import replica_phase
 
 BUFFER_SYNC_MODES = ("broadcast", "mean")
 Layout = tuple[tuple[int, ...], ...]  # per param group, the indices of its parameters in `module.parameters()`
-AGREEMENT_BITS = 20  # the per-step code compared between processes (see `agreement_code`)
 
 
 class ReplicaDesyncError(RuntimeError):
@@ -288,31 +286,6 @@ class Replica0Watch:
         """
         self.layout = self.layout_of(optimizer)
         self.optimizer, self._state = optimizer, optimizer.state
-
-    def agreement_code(self, optimizer: Optimizer) -> int:
-        """A 20-bit code of what every process must agree on before a step: the optimizer's class, its param groups
-        (which parameters, and every setting: lr, momentum, weight decay, ...) and the `requires_grad` flags.
-
-        Processes compare it with the step's sample count (`src.strategies.process_sync.count_global_batch`): a
-        callback that changed the optimizer or froze parameters on some ranks only is refused there instead of
-        exchanging mismatched buckets. crc32 of a canonical text, so every process computes the same code for the
-        same state (Python's `hash` of strings differs between processes).
-        """
-        settings = [sorted((k, _canonical(v)) for k, v in g.items() if k != "params") for g in optimizer.param_groups]
-        groups = list(zip(self.layout_of(optimizer), settings))
-        text = repr((type(optimizer).__name__, groups, self.trainable))
-        return zlib.crc32(text.encode()) & ((1 << AGREEMENT_BITS) - 1)
-
-
-def _canonical(value: Any) -> Any:
-    """A group setting as a value whose repr is the same in every process (objects' reprs may hold addresses)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return tuple(_canonical(v) for v in value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    return type(value).__name__
 
 
 def check_one_optimizer(optimizers: list) -> None:

@@ -30,8 +30,8 @@ from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
-from src.strategies.process_sync import (check_in_sync_between_processes, count_global_batch, gather_rates,
-                                         sync_buffers_between_processes_)
+from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, count_global_batch,
+                                         gather_rates, sync_buffers_between_processes_)
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet, sync_buffers_
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
@@ -323,7 +323,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         if self.multi_process:  # N, the global batch's samples: a small allreduce that runs while the replicas do
             count = count_global_batch(
                 n, self.root_device, self.total_replicas, wait_now=self.replica_set.sync_group is not None,
-                agreement=self.replica_set.watch.agreement_code(self.optimizers[0]))
+                agreement=agreement_code(self.replica_set.watch, self.optimizers[0]))
         call = self._scatter("training_step", args, kwargs, n)  # scatter
         with self.precision_plugin.train_step_context():
             results = self._run_replicas(call)  # run the replicas
