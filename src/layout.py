@@ -26,7 +26,7 @@ class ParallelLayout:
         replicas_per_process: K, model replicas in each process (1 under single and DDP).
         replica_devices: The devices of this process's K replicas, replica 0 first.
         process_devices: The devices Lightning gave this node's processes, one per process.
-        allreduce: The whole job's gradient exchange, a name of `src.strategies.comm.vocabulary.EXCHANGES`.
+        allreduce: The whole job's gradient exchange, a name of `src.strategies.comm.exchange_names.EXCHANGES`.
         backend: The torch.distributed backend between processes ("gloo", "nccl"), or None for one process.
         split_weights: split_allreduce's `split_weights` (a list, "auto", or None for equal shares).
         splits_any_batch: Whether the strategy splits a global batch of any size over its ranks (ours); if not

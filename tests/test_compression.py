@@ -251,6 +251,6 @@ def test_the_epoch_line_names_our_compression_and_its_bytes():
     powersgd = CompressionSpec("powersgd", rank=2, warmup_steps=0).make(2, _wire_bytes)
     powersgd.begin_step()
     exchange = SimpleNamespace(compression=powersgd, bytes_sent=[700, 0], bytes_uncompressed=[4000, 0])
-    ours.group = SimpleNamespace(exchange=exchange)  # the replicas' exchange after a step
+    ours.exchange = exchange  # the replicas' exchange after a step
     assert _compression_bytes(ours) == ("PowerSGD rank 2", 700, 4000)
     assert _compression_bytes(SingleDeviceStrategy("cpu")) is None

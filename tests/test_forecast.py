@@ -20,7 +20,7 @@ from src.scaling.published import bounds_for
 from src.scaling.report import newest_report
 from src.scaling.sources import DEFAULT_CALIBRATION, Overrides, load_calibration
 from src.scaling.version_folders import next_version
-from src.strategies.comm.vocabulary import EXCHANGES
+from src.strategies.comm.exchange_names import EXCHANGES
 
 BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link
 

@@ -108,7 +108,7 @@ def test_resnet_batchnorm_buffers_stay_equal(tiny_data_dir, mode):
 
 
 def test_buffer_mean_averages_the_replicas():
-    from src.strategies.replicate import sync_buffers_
+    from src.strategies.replicas import sync_buffers_
 
     a, b = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
     a.running_mean.fill_(1.0), b.running_mean.fill_(3.0)
@@ -184,7 +184,7 @@ class _Corrupt(pl.Callback):
 
 
 def test_desync_check_names_the_parameter(tiny_data_dir):
-    from src.strategies.replicate import ReplicaDesyncError
+    from src.strategies.replicas import ReplicaDesyncError
 
     with pytest.raises(ReplicaDesyncError, match=r"replica 1 on cpu differs from replica 0 at 'net.classifier.3.bias'"):
         fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=6,

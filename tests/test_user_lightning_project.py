@@ -292,7 +292,7 @@ def _agreement_rank(rank: int, store: str, results=None) -> tuple:
     code, first as built, then after rank 1 alone froze the head. Returns (agreed code, counted global batch, code
     after the change, that code again, the refusal's message or None), and puts it on `results` if given."""
     from src.strategies import process_sync
-    from src.strategies.replica_set import Replica0Watch
+    from src.strategies.replicas import Replica0Watch
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
@@ -301,19 +301,19 @@ def _agreement_rank(rank: int, store: str, results=None) -> tuple:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         watch = Replica0Watch([model])
         watch.follow_trainable()
-        agreed = watch.agreement_code(optimizer)
+        agreed = process_sync.agreement_code(watch, optimizer)
         # 12 + 13 samples: the count is the real sum over the two processes
         total = process_sync.count_global_batch(12 + rank, torch.device("cpu"), 2, False, agreement=agreed)()
         if rank == 1:
             model.head.requires_grad_(False)  # a change made on one rank only, as under rank_zero_only
             watch.follow_trainable()
-        code = watch.agreement_code(optimizer)
+        code = process_sync.agreement_code(watch, optimizer)
         try:
             process_sync.count_global_batch(12 + rank, torch.device("cpu"), 2, False, agreement=code)()
             refused = None
         except RuntimeError as err:
             refused = str(err)
-        seen = (agreed, total, code, watch.agreement_code(optimizer), refused)
+        seen = (agreed, total, code, process_sync.agreement_code(watch, optimizer), refused)
     finally:
         dist.destroy_process_group()
     if results is not None:

@@ -42,7 +42,7 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
     process (`src.run.threads`), versions. The run length is added when the run ends.
 
     `run/allreduce` names the whole job's gradient exchange in the vocabulary of
-    `src.strategies.comm.vocabulary.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
+    `src.strategies.comm.exchange_names.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
     """
     layout = parallel_layout(trainer.strategy)
     weights = layout.split_weights

@@ -18,7 +18,7 @@ n bytes costs alpha + n·beta seconds, and reducing n bytes locally costs n·gam
 
 Units throughout: seconds, bytes, seconds per byte, images.
 
-The algorithm names are those of the strategy's vocabulary (`src.strategies.comm.vocabulary.EXCHANGES`), which
+The algorithm names are those of the strategy's vocabulary (`src.strategies.comm.exchange_names.EXCHANGES`), which
 is pure Python as well: importing this module loads neither torch nor Lightning.
 """
 
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from src.strategies.comm.vocabulary import EXCHANGES
+from src.strategies.comm.exchange_names import EXCHANGES
 
 # The exchanges with a formula here. "none" (one replica) costs nothing, and "torch" is whatever the backend
 # chooses, so it has no formula of its own: NCCL and gloo run a ring on large buffers, which is how the

@@ -7,7 +7,7 @@ module, but only when `inspect_network` is called.
 import importlib
 from dataclasses import dataclass
 
-from src.strategies.comm.vocabulary import powersgd_numbers
+from src.strategies.comm.exchange_names import powersgd_numbers
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and split_allreduce's default bucket_cap_mb, in bytes
 
@@ -114,7 +114,7 @@ def compressed_bytes(net: Network, compression: str, rank: int = 2, min_compress
     saying where the figure comes from.
 
     "bf16" halves 4-byte gradients; "powersgd" counts (n + m)·r per compressed matrix and every element of the
-    rest (`src.strategies.comm.vocabulary.powersgd_numbers`, the rule ours and torch's hook apply), in two
+    rest (`src.strategies.comm.exchange_names.powersgd_numbers`, the rule ours and torch's hook apply), in two
     allreduce calls per bucket (P with the rest, then Q); `ratio` (sent / uncompressed bytes) replaces the count,
     as it must for a network known only by its parameter count.
 

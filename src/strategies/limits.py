@@ -6,14 +6,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.sharding import check_split_weights, replicas_text
-from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, IN_PROCESS, check_choice
-from src.strategies.replicate import check_buffer_mode
+from src.strategies.comm.exchange_names import BETWEEN_PROCESSES, IN_PROCESS, check_choice
+from src.strategies.replicas import check_buffer_mode
 
 
-def check_options(devices: list[str] | None, replicas_per_process: int, allreduce: str, process_allreduce: str,
-                  sync_buffers: str, split_weights: object, bucket_cap_mb: float, auto_split_steps: int,
-                  check_sync_every: int) -> None:
-    """The strategy's arguments, checked at construction (see `SplitAllreduceStrategy` for their meaning).
+def check_options(allreduce: str, process_allreduce: str, sync_buffers: str, bucket_cap_mb: float,
+                  auto_split_steps: int, check_sync_every: int) -> None:
+    """The strategy's algorithm choices and numbers, checked at construction (see `SplitAllreduceStrategy`).
 
     Raises:
         ValueError: Naming the bad argument and the values it takes.
@@ -21,14 +20,22 @@ def check_options(devices: list[str] | None, replicas_per_process: int, allreduc
     check_choice("allreduce algorithm", allreduce, IN_PROCESS)
     check_choice("process_allreduce", process_allreduce, BETWEEN_PROCESSES)
     check_buffer_mode(sync_buffers)
+    if bucket_cap_mb <= 0 or auto_split_steps < 2 or check_sync_every < 0:
+        raise ValueError("need bucket_cap_mb > 0, auto_split_steps >= 2 and check_sync_every >= 0")
+
+
+def check_replicas(devices: list[str] | None, replicas_per_process: int, split_weights: object) -> None:
+    """The strategy's replicas and their weights, checked at construction (see `SplitAllreduceStrategy`).
+
+    Raises:
+        ValueError: Naming the bad argument and the values it takes.
+    """
     check_split_weights(split_weights)
     if replicas_per_process < 1:
         raise ValueError(f"replicas_per_process must be at least 1, got {replicas_per_process}")
     if devices is not None and replicas_per_process not in (1, len(devices)):
         raise ValueError(f"devices lists {len(devices)} replicas but replicas_per_process is {replicas_per_process}: "
                          "give one of the two (devices sets the replicas per process by its length)")
-    if bucket_cap_mb <= 0 or auto_split_steps < 2 or check_sync_every < 0:
-        raise ValueError("need bucket_cap_mb > 0, auto_split_steps >= 2 and check_sync_every >= 0")
 
 
 def check_layout(processes: int, world_size: int, k: int, split_weights: list[float] | str | None,

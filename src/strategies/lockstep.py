@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from src.strategies.parallel_apply import phase_name, prepare_replica
+from src.strategies.scatter_gather import ShardedCall, prepare_replica
 from src.timeline.labels import replica_phase
 
 RENDEZVOUS_TIMEOUT_S = 300.0  # last resort: a replica that never reaches a layer the others wait at
@@ -111,9 +111,8 @@ def _silenced(replica: "pl.LightningModule") -> Iterator[None]:
         del replica.log, replica.log_dict
 
 
-def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], shards: list[Any],
-                   sizes: list[int], step: str, args: tuple, kwargs: dict, group: SyncGroup,
-                   step_context: Callable[[], AbstractContextManager]) -> list[Any]:
+def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], call: ShardedCall,
+                   group: SyncGroup, step_context: Callable[[], AbstractContextManager]) -> list[Any]:
     """`parallel_apply` with the replicas running concurrently, meeting at each synchronised BatchNorm layer.
 
     The first replica with a non-empty shard (replica 0 unless its shard is empty) runs on this thread and alone
@@ -123,7 +122,7 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
     hook names are set up on this thread first.
 
     Args:
-        replicas, devices, shards, sizes, step, args, kwargs: As for `parallel_apply`.
+        replicas, devices, call: As for `parallel_apply`.
         group: The `SyncGroup` from `convert_`.
         step_context: The precision plugin's `train_step_context`.
 
@@ -134,8 +133,8 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
         Exception: The error of the first failing replica (in replica order), after every thread has ended:
             the others are released from the rendezvous (`Barrier.abort`) instead of waiting for it.
     """
-    participants = [k for k, n in enumerate(sizes) if n]
-    moved = {k: prepare_replica(replicas, k, shards[k], devices[k]) for k in participants}
+    participants = [k for k, n in enumerate(call.sizes) if n]
+    moved = {k: prepare_replica(replicas, k, call.shards[k], devices[k]) for k in participants}
     outputs: list[Any] = [None] * len(replicas)
     errors: dict[int, BaseException] = {}
     rendezvous = group.rendezvous = Rendezvous(participants)
@@ -144,8 +143,8 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
     def work(k: int) -> None:
         try:
             with torch.set_grad_enabled(grad_enabled), step_context(), _silenced(replicas[k]), \
-                    replica_phase(k, phase_name(step)):
-                outputs[k] = getattr(replicas[k], step)(moved[k], *args, **kwargs)
+                    replica_phase(k, call.phase):
+                outputs[k] = getattr(replicas[k], call.hook)(moved[k], *call.args, **call.kwargs)
         except BaseException as err:  # handed to the calling thread, which re-raises it
             errors[k] = err
             rendezvous.abort()
@@ -155,8 +154,8 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
     try:
         for thread in threads:
             thread.start()
-        with replica_phase(first, phase_name(step)):
-            outputs[first] = getattr(replicas[first], step)(moved[first], *args, **kwargs)
+        with replica_phase(first, call.phase):
+            outputs[first] = getattr(replicas[first], call.hook)(moved[first], *call.args, **call.kwargs)
     except BaseException as err:  # also a failed thread start: release the replicas already waiting
         errors[first] = err
         rendezvous.abort()

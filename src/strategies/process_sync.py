@@ -6,7 +6,9 @@ packs a module's tensors into one flat buffer per dtype, so a step costs one col
 one per tensor.
 """
 
+import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,40 @@ from torch import Tensor, nn
 
 from src.sharding import check_enough_samples
 from src.strategies.comm.gradient_exchange import copy_back_, flatten
-from src.strategies.replicate import ReplicaDesyncError, check_in_sync, sync_buffers_
+from src.strategies.replicas import Replica0Watch, ReplicaDesyncError
+
+
+AGREEMENT_BITS = 20  # the per-step code compared between processes (see `agreement_code`)
+
+
+def agreement_code(watch: Replica0Watch, optimizer: torch.optim.Optimizer) -> int:
+    """A 20-bit code of what every process must agree on before a step: the optimizer's class, its param groups
+    (which parameters, and every setting: lr, momentum, weight decay, ...) and the `requires_grad` flags the
+    replicas were last given (`watch`).
+
+    Processes compare it with the step's sample count (`count_global_batch`): a callback that changed the optimizer
+    or froze parameters on some ranks only is refused there instead of exchanging mismatched buckets. crc32 of a
+    canonical text, so every process computes the same code for the same state (Python's `hash` of strings differs
+    between processes).
+
+    Raises:
+        RuntimeError: From `Replica0Watch.layout_of`, for an optimizer over tensors that are not the module's.
+    """
+    settings = [sorted((k, _canonical(v)) for k, v in g.items() if k != "params") for g in optimizer.param_groups]
+    groups = list(zip(watch.layout_of(optimizer), settings))
+    text = repr((type(optimizer).__name__, groups, watch.trainable))
+    return zlib.crc32(text.encode()) & ((1 << AGREEMENT_BITS) - 1)
+
+
+def _canonical(value: Any) -> Any:
+    """A group setting as a value whose repr is the same in every process (objects' reprs may hold addresses)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return type(value).__name__
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -93,7 +128,7 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
     The processes sum their counts with one small allreduce, started here and waited for when the function is
     called, so its latency hides behind the replicas' forward passes. `wait_now` (sync BatchNorm) waits at once:
     the synchronised layers must not meet a process that has no sample. The same allreduce compares the
-    processes' `agreement` codes a (the optimizer's groups and the trainable parameters, `Replica0Watch`): it
+    processes' `agreement` codes a (`agreement_code`: the optimizer's groups and the trainable parameters): it
     also sums a and a², and P·Σa² = (Σa)² holds exactly when every process has the same a (Cauchy-Schwarz;
     exact in float64 for codes below 2^20 and up to 2^12 processes).
 
@@ -134,23 +169,3 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
         return lambda: total
     return result
 
-
-def sync_all_buffers_(replicas: list[nn.Module], mode: str, across_processes: bool) -> None:
-    """Make the buffers of every replica equal: among this process's replicas (`mode`), then, with several
-    processes, between them (local replica 0's, `mode`), and back to the other local replicas."""
-    sync_buffers_(replicas, mode)
-    if across_processes:
-        sync_buffers_between_processes_(replicas[0], mode)
-        sync_buffers_(replicas, "broadcast")
-
-
-def check_all_in_sync(replicas: list[nn.Module], devices: list[torch.device], step: int,
-                      across_processes: bool) -> None:
-    """Check that every local replica equals local replica 0 and, with several processes, that it equals rank 0's.
-
-    Raises:
-        ReplicaDesyncError: Naming the first replica (or rank), device and tensor that differ, and the step.
-    """
-    check_in_sync(replicas, devices, step)
-    if across_processes:
-        check_in_sync_between_processes(replicas[0], step)

@@ -1,14 +1,48 @@
-"""Scatter a global batch into shards, and gather the replicas' losses into the loss of the whole batch.
+"""Scatter a global batch into shards, run each replica's step hook on its shard, and gather the replicas' losses
+into the loss of the whole batch.
 
-The first and last seams of `torch.nn.DataParallel`'s forward (scatter -> replicate -> parallel_apply ->
-gather). Here the shards stay on the host: each is moved to its replica's device by the transfer hooks.
+Three of the four seams of `torch.nn.DataParallel`'s forward (scatter -> replicate -> parallel_apply -> gather);
+the replicas themselves are made once, at setup (`src.strategies.replicas`). Here the shards stay on the host:
+each is moved to its replica's device by the transfer hooks. The replicas run one after another from this
+thread: on separate GPUs their kernels still overlap, because launches are asynchronous.
 """
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from src.run.lightning_compat import copy_hook_name, logged_batch, transfer_batch
+from src.timeline.labels import replica_phase
+
+
+@dataclass
+class ShardedCall:
+    """One step hook to run on every replica, each on its own shard of the batch.
+
+    Args:
+        hook: The hook's name ("training_step", "validation_step", "test_step").
+        shards: K host batches (see `scatter`).
+        sizes: Samples in each shard; a replica whose shard is empty is skipped and its output is None.
+        args: Further positional arguments of the hook (e.g. batch_idx).
+        kwargs: Its keyword arguments.
+    """
+
+    hook: str
+    shards: list[Any]
+    sizes: list[int]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def phase(self) -> str:
+        """The timeline's name for the hook: "forward" for training_step, else the hook's name."""
+        return "forward" if self.hook == "training_step" else self.hook
 
 
 def batch_size_of(batch: Any) -> int:
@@ -39,6 +73,60 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
         shards.append(apply_to_collection(batch, Tensor, lambda t, lo=start, hi=start + n: t[lo:hi]))
         start += n
     return shards
+
+def _synced_clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, device: torch.device) -> Any:
+    """Move shard k to `device` through replica 0's transfer hooks; replica k > 0 first takes replica 0's
+    train/eval mode per submodule (and whether each BatchNorm tracks running statistics) and its running hook
+    name. Returns the shard on the device."""
+    replica0, replica = replicas[0], replicas[k]
+    if k:
+        for source, target in zip(replica0.modules(), replica.modules()):
+            target.training = source.training
+            if isinstance(source, _BatchNorm):  # e.g. BaseFinetuning.freeze(train_bn=False) turns it off
+                target.track_running_stats = source.track_running_stats
+        copy_hook_name(replica0, replica)
+    return transfer_batch(replica0, shard, device)
+
+
+def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.device], call: ShardedCall,
+                   timed: bool = False) -> tuple[list[Any], list[float]]:
+    """Call `getattr(replica_k, call.hook)(shard_k on device k, *call.args, **call.kwargs)` for every non-empty
+    shard.
+
+    Replica 0 runs last: for a torchmetrics object passed to `self.log`, Lightning keeps the last one logged,
+    and it must be replica 0's, into which the other replicas' metric states are merged after the step. A tensor
+    logged without `batch_size` counts in epoch means with its shard's samples, as one device's would.
+    Every other replica first takes replica 0's train/eval mode per submodule and its running hook name.
+
+    Args:
+        replicas: K LightningModules, replica 0 (the one the Trainer holds) first.
+        devices: The device of each replica.
+        call: The hook, the shards and their sizes, and the hook's other arguments.
+        timed: Also measure each replica's seconds (synchronising CUDA devices around its call).
+
+    Returns:
+        (outputs, seconds): outputs in replica order; seconds per replica when `timed` (0.0 for empty
+        shards), else an empty list.
+    """
+    outputs: list[Any] = [None] * len(replicas)
+    seconds = [0.0] * len(replicas) if timed else []
+    for k in [*range(1, len(replicas)), 0]:
+        if call.sizes[k] == 0:
+            continue
+        replica, device = replicas[k], devices[k]
+        shard = prepare_replica(replicas, k, call.shards[k], device)
+        start = _synced_clock(device) if timed else 0.0
+        with replica_phase(k, call.phase), logged_batch(replicas[0], shard):
+            outputs[k] = getattr(replica, call.hook)(shard, *call.args, **call.kwargs)
+        if timed:
+            seconds[k] = _synced_clock(device) - start
+    return outputs, seconds
 
 
 def gather_losses(results: list[tuple[int, Any]], device: torch.device, total: int | None = None) -> Any:

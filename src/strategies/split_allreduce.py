@@ -1,5 +1,11 @@
 """Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
-(the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes."""
+(the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes.
+
+Read top to bottom: the settings, where the replicas live, setup, then one step. `training_step` is the
+algorithm: follow replica 0, scatter, run the replicas, gather. `optimizer_step` is the update: backward with the
+gradient exchange, step the other replicas, sync buffers. The processes (launch, process group, collectives)
+are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
+"""
 
 from datetime import timedelta
 from functools import partial
@@ -20,17 +26,19 @@ from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import world_allreduce
-from src.strategies.comm.vocabulary import exchange_name
+from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
-from src.strategies.replica_set import FollowOncePerStep
-from src.strategies.limits import check_layout, check_options, check_trainer_setup
-from src.strategies.process_sync import count_global_batch, gather_rates
-from src.strategies.replicated import ReplicatedStrategy
-from src.strategies.scatter_gather import batch_size_of, gather_losses, scatter
+from src.strategies.devices import local_replica_devices, parse_devices
+from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
+from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, count_global_batch,
+                                         gather_rates, sync_buffers_between_processes_)
+from src.strategies.processes import ProcessesParallelStrategy
+from src.strategies.replicas import ReplicaSet, sync_buffers_
+from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
 from src.timeline.labels import phase
 
 
-class SplitAllreduceStrategy(ReplicatedStrategy):
+class SplitAllreduceStrategy(ProcessesParallelStrategy):
     """Data parallelism by hand: P processes (`trainer.devices` per node x `trainer.num_nodes`), each holding K
     model replicas (`devices` or `replicas_per_process`), every global batch split across all P x K of them.
 
@@ -103,26 +111,67 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
         # world size is known
         self._compression = CheckpointedCompression(CompressionSpec(
             compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
-        check_options(devices, replicas_per_process, allreduce, process_allreduce, sync_buffers, split_weights,
-                      bucket_cap_mb, auto_split_steps, check_sync_every)
-        super().__init__(devices, replicas_per_process, process_group_backend, timeout, start_method)
+        check_options(allreduce, process_allreduce, sync_buffers, bucket_cap_mb, auto_split_steps, check_sync_every)
+        check_replicas(devices, replicas_per_process, split_weights)
+        super().__init__(process_group_backend, timeout, start_method)
+        self._devices = parse_devices(devices) if devices is not None else None
+        self.replicas_per_process = len(devices) if devices is not None else replicas_per_process
         self.algorithm, self.process_algorithm = allreduce, process_allreduce
         self.sync_buffers_mode, self.split_weights, self._shares = sync_buffers, split_weights, None
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.check_sync_every, self.log_grad_norms, self.overlap = check_sync_every, log_grad_norms, overlap
         self.auto_split_steps, self.auto_split = auto_split_steps, None  # an AutoSplit while `auto` measures
-        self._follow = FollowOncePerStep(self._follow_replica0)  # a bound method: spawn pickles the strategy
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
+        self.replica_set: ReplicaSet | None = None  # made at setup; kept after teardown, its replicas dropped
+        self.exchange: GradientExchange | None = None  # made at train start; kept after fit (byte counts, buckets)
+        self._followed = False  # optimizer_step followed replica 0 already, for the training_step in its closure
+
+    # ---- where the replicas live, and what a user or a callback may read of them ---------------------------
+    @property
+    def replica_devices(self) -> list[torch.device]:
+        """The device of each of this process's replicas, replica 0 first."""
+        if self._devices is not None:
+            return list(self._devices)
+        return local_replica_devices(self.parallel_devices, self.local_rank, self.replicas_per_process)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """Local replica 0's device."""
+        return self.replica_devices[0]
+
+    @property
+    def total_replicas(self) -> int:
+        """P x K, the replicas of the whole job."""
+        return self.world_size * self.replicas_per_process
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether batches are split and gradients exchanged (several replicas anywhere in the job)."""
+        return self.total_replicas > 1
+
+    @property
+    def replicas(self) -> list["pl.LightningModule"]:
+        """This process's replicas, replica 0 first; empty outside setup..teardown."""
+        return self.replica_set.modules if self.replica_set is not None else []
+
+    def replica_parameter(self, k: int, name: str) -> Tensor:
+        """Replica k's copy of a named parameter or buffer (e.g. "net.features.0.bias"), on its device.
+
+        Raises:
+            IndexError: If there is no replica k. KeyError: If there is no such name.
+        """
+        return self.replica_set.tensor(k, name)
+
+    @property
+    def bytes_sent(self) -> list[int]:
+        """Bytes each device sent in the last optimizer step's allreduce."""
+        return self.exchange.bytes_sent if self.exchange is not None else []
 
     @property
     def compression(self) -> Compression | None:
         """The compression of the exchange between processes (None: exact, or one process), made at train start."""
         return self._compression.active
-
-    def check_replicas_in_sync(self) -> None:
-        """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
-        (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
-        self.group.check_in_sync(self.optimizer_steps)
 
     @property
     def shares(self) -> ReplicaShares:
@@ -142,6 +191,14 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
             self.process_group_backend if p > 1 else None, self.split_weights, splits_any_batch=True,
             _shares=lambda: self.shares.rank_shares, compression=self._compression.spec.tag if p > 1 else "none")
 
+    def check_replicas_in_sync(self) -> None:
+        """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
+        (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
+        self.replica_set.check_in_sync(self.optimizer_steps)
+        if self.multi_process:
+            check_in_sync_between_processes(self.replicas[0], self.optimizer_steps)
+
+    # ---- setup, checkpoints, teardown -----------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         """Check the layout (devices, weights) against P x K, then start the process group when P > 1."""
@@ -151,9 +208,12 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        """Refuse what the strategy cannot do, then make the replicas (replicate)."""
+        """Refuse what the strategy cannot do, then Lightning's setup of replica 0, then the other replicas."""
         check_trainer_setup(trainer, self.precision_plugin, sync_batchnorm_requested(self), self.split_weights)
+        replica0 = self.lightning_module
         super().setup(trainer)
+        self.replica_set = ReplicaSet(replica0, self.replica_devices, trainer,
+                                      sync_batchnorm_requested(self) and self.data_parallel, self.multi_process)
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.replicas_per_process, self.auto_split_steps)
 
@@ -165,19 +225,25 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
             return
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
-        self.group.start(self.optimizers)  # anew: the lr finder runs the fit loop, then fit runs it again
+        self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
 
-    def _follow_replica0(self) -> None:
-        self.group.follow(self.optimizers)
+    def _follow_replica0(self, anew: bool = False) -> None:
+        """Carry what changed on replica 0 to the other replicas; new `requires_grad` flags need a new exchange."""
+        if self.replica_set.follow(self.optimizers, anew) or self.exchange is None:
+            self._make_exchange()
 
-    def _new_exchange(self, params: list[list[torch.nn.Parameter]]) -> GradientExchange:
-        """The exchange of this strategy's settings over the replicas' parameters (`ReplicaSet`'s factory)."""
+    def _make_exchange(self) -> None:
+        """The gradient exchange of this strategy's settings over the replicas' parameters (the old one's hooks
+        removed)."""
+        if self.exchange is not None:
+            self.exchange.remove()
+        params = [list(r.parameters()) for r in self.replicas]
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # with several CPU processes, overlap runs the buckets' exchange beside backward (gloo's send and receive
         # mostly wait for the network); the GPU path keeps it in the hook, on the device's stream order
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
-        return GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between, background,
-                                self.compression)
+        self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
+                                         background, self.compression)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -187,11 +253,36 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
         return checkpoint
 
     @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load the checkpoint into replica 0, then copy it to every other replica."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.replica_set is not None:
+            self.replica_set.load_from_replica0(strict)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add the compression's state (every process's error memory: a collective, so all ranks run it), then
         write on rank 0 as Lightning does. A weights-only checkpoint gets none."""
         self._compression.add_to(checkpoint, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def teardown(self) -> None:
+        """Remove the overlap hooks, make synchronised BatchNorm layers plain again and drop the replicas. The
+        exchange stays, so its byte counts and buckets can be read after fit."""
+        if self.exchange is not None:
+            self.exchange.remove()
+        if self.replica_set is not None:
+            self.replica_set.remove()
+        super().teardown()
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Keep batches that will be split on the host: each shard goes straight to its own device."""
+        if self.data_parallel and not self.lightning_module.trainer.predicting:
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def shard_sizes(self, n: int) -> list[int]:
         """Shard sizes of this process's replicas for its part of a batch, `n` samples (sum n, none dropped).
@@ -203,35 +294,42 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
             check_enough_samples("a batch of ", n, self.replicas_per_process)
         return shard_sizes(n, self.shares.replica_weights(self.global_rank))
 
-    def _run_replicas(self, step: str, batch: Any, args: tuple, kwargs: dict,
-                      n: int | None = None) -> list[tuple[int, Any]]:
-        """Scatter `batch` (of `n` samples, counted here if not given), run `step` on every replica, merge their
-        metrics; [(n_k, output_k)] by replica."""
-        sizes = self.shard_sizes(batch_size_of(batch) if n is None else n)
+    def _scatter(self, hook: str, args: tuple, kwargs: dict, n: int | None = None) -> ShardedCall:
+        """`hook` on this process's part of the batch `args[0]` (of `n` samples, counted here if not given), cut
+        into one shard per replica by their shares."""
+        sizes = self.shard_sizes(batch_size_of(args[0]) if n is None else n)
         with phase("scatter"):
-            shards = scatter(batch, sizes)
+            return ShardedCall(hook, scatter(args[0], sizes), sizes, args[1:], kwargs)
+
+    def _run_replicas(self, call: ShardedCall) -> list[tuple[int, Any]]:
+        """Run the call on every replica and merge their metrics (timed while `split_weights: auto` measures);
+        [(n_k, output_k)] by replica."""
         timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
-        outputs, seconds = self.group.run(step, shards, sizes, args, kwargs, self.precision_plugin.train_step_context,
-                                          timed)
+        outputs, seconds = self.replica_set.run(call, self.precision_plugin.train_step_context, timed)
         if timed:
-            self.auto_split.record(sizes, seconds)
-        return list(zip(sizes, outputs))
+            self.auto_split.record(call.sizes, seconds)
+        return list(zip(call.sizes, outputs))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run training_step on every shard and return the loss of the whole global batch (gather)."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
-        self._follow.before_forward()
-        n = batch_size_of(args[0])  # with P > 1 the global batch's N is counted while the replicas run forward
-        total = count_global_batch(n, self.root_device, self.total_replicas, wait_now=self.group.sync_group is not None,
-                                   agreement=self.group.watch.agreement_code(self.optimizers[0])) \
-            if self.multi_process else (lambda: n)
+        # follow replica 0 (optimizer_step did, unless this micro-batch only accumulates gradients)
+        if not self._followed:
+            self._follow_replica0()
+        self._followed = False
+        n = batch_size_of(args[0])
+        if self.multi_process:  # N, the global batch's samples: a small allreduce that runs while the replicas do
+            count = count_global_batch(
+                n, self.root_device, self.total_replicas, wait_now=self.replica_set.sync_group is not None,
+                agreement=agreement_code(self.replica_set.watch, self.optimizers[0]))
+        call = self._scatter("training_step", args, kwargs, n)  # scatter
         with self.precision_plugin.train_step_context():
-            results = self._run_replicas("training_step", args[0], args[1:], kwargs, n)
+            results = self._run_replicas(call)  # run the replicas
         with phase("wait/global batch size"):
-            total = total()
-        if any(n and out is None for n, out in results):
+            total = count() if self.multi_process else n
+        if any(size and out is None for size, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
         with phase("gather"):
             return gather_losses(results, self.root_device, total)
@@ -253,43 +351,54 @@ class SplitAllreduceStrategy(ReplicatedStrategy):
         """Run test_step on every shard; the metrics are merged into replica 0's."""
         return self._eval_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
-    def _eval_step(self, step: str, context: Any, args: tuple, kwargs: dict) -> Any:
+    def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
         if not self.data_parallel:
-            return getattr(super(), step)(*args, **kwargs)
+            return getattr(super(), hook)(*args, **kwargs)
         with context():
-            return self._run_replicas(step, args[0], args[1:], kwargs)[0][1]
+            return self._run_replicas(self._scatter(hook, args, kwargs))[0][1]
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Backward, allreduce, then the same update on every replica."""
+        """Backward with the gradient exchange, replica 0's update, then the same update on every other replica."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # follow before the closure, so that overlap hooks made for new `requires_grad` flags are armed in it
+        self._follow_replica0()
+        self._followed = True
         # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
         # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
-        self._follow.before_optimizer_step()  # before the closure (see FollowOncePerStep)
         grad_norms = self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
         out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
                                      model, **kwargs)
         replica0 = self.lightning_module
         clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", replica0)
-        self.group.step_others(self.optimizers, clipped)
-        self._after_update()
-        return out
-
-    def _after_update(self) -> None:
-        """Sync buffers, count the step, fix an auto split when measured, check sync when due."""
-        if any(True for _ in self.lightning_module.buffers()):
-            with phase("sync buffers"):
-                self.group.sync_buffers(self.sync_buffers_mode)
+        self.replica_set.step_others(self.optimizers, clipped)
+        if any(True for _ in replica0.buffers()):
+            self._sync_buffers()
         self.optimizer_steps += 1
-        if self.split_weights == "auto":  # every process's rates, gathered so that all ranks fix the same shares
-            gather = partial(gather_rates, rank=self.global_rank, world=self.world_size, device=self.root_device)
-            weights = self.auto_split.after_step(gather if self.multi_process else None)
-            if weights is not None:
-                self.split_weights, self.split_fixed_at_step = weights, self.optimizer_steps
-                self.shares.fix(weights)
+        if self.split_weights == "auto":
+            self._fix_auto_split()
         if self.check_sync_every and self.optimizer_steps % self.check_sync_every == 0:
             self.check_replicas_in_sync()
+        return out
+
+    def _sync_buffers(self) -> None:
+        """Make BatchNorm running statistics equal: among this process's replicas, then between the processes'
+        replica 0s, and back to the other local replicas."""
+        with phase("sync buffers"):
+            sync_buffers_(self.replicas, self.sync_buffers_mode)
+            if self.multi_process:
+                sync_buffers_between_processes_(self.replicas[0], self.sync_buffers_mode)
+                sync_buffers_(self.replicas, "broadcast")
+
+    def _fix_auto_split(self) -> None:
+        """Fix the shares once `split_weights: auto` has measured every replica's rate (every process's rates are
+        gathered, so that all ranks fix the same shares)."""
+        gather = partial(gather_rates, rank=self.global_rank, world=self.world_size, device=self.root_device)
+        weights = self.auto_split.after_step(gather if self.multi_process else None)
+        if weights is not None:
+            self.split_weights, self.split_fixed_at_step = weights, self.optimizer_steps
+            self.shares.fix(weights)
 
 
 # `trainer.strategy: split_allreduce` works once this module is imported

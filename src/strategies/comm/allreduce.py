@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from src.sharding import shard_sizes
-from src.strategies.comm.vocabulary import IN_PROCESS, check_choice
+from src.strategies.comm.exchange_names import IN_PROCESS, check_choice
 
 def check_algorithm(name: str) -> None:
-    """Raises ValueError unless `name` is one of `vocabulary.IN_PROCESS` ("ring", "reduce_broadcast")."""
+    """Raises ValueError unless `name` is one of `exchange_names.IN_PROCESS` ("ring", "reduce_broadcast")."""
     check_choice("allreduce algorithm", name, IN_PROCESS)
 
 

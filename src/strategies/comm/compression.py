@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from src.strategies.comm.hierarchical import BetweenProcesses
-from src.strategies.comm.vocabulary import (COMPRESSIONS, check_choice, check_min_compression_rate, compressed_rank,
+from src.strategies.comm.exchange_names import (COMPRESSIONS, check_choice, check_min_compression_rate, compressed_rank,
                                             compression_tag, matrix_shape)
 from src.timeline.labels import phase, recording
 
@@ -249,7 +249,7 @@ Compression = Bf16Compression | PowerSGDCompression
 
 def check_powersgd(rank: int, warmup_steps: int, min_compression_rate: float) -> None:
     """Raises ValueError for a rank below 1, negative warm-up steps or a minimum compression rate that is not > 0
-    (`vocabulary.check_min_compression_rate`: the rule of the DDP overlay too)."""
+    (`exchange_names.check_min_compression_rate`: the rule of the DDP overlay too)."""
     if rank < 1:
         raise ValueError(f"powersgd_rank must be at least 1, got {rank}")
     if warmup_steps < 0:

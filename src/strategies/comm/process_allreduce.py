@@ -18,7 +18,7 @@ from torch import Tensor
 
 from src.strategies.comm.allreduce import ring_chunk_sizes, ring_step
 from src.strategies.comm.hierarchical import BetweenProcesses
-from src.strategies.comm.vocabulary import BETWEEN_PROCESSES, check_choice
+from src.strategies.comm.exchange_names import BETWEEN_PROCESSES, check_choice
 from src.timeline.labels import phase
 
 
@@ -75,7 +75,7 @@ def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None)
     their way.
 
     Where it matters: on a 2-core AMD EPYC CPU a message between two processes took 1.5 - 3.5 ms however small
-    (`benchmarks/lab_allreduce.py`), about what LeNet's 516 KB take on a 1 Gbit/s link.
+    (`benchmarks/allreduce_speed.py lab`), about what LeNet's 516 KB take on a 1 Gbit/s link.
 
     Returns:
         Bytes sent: N elements' worth.

@@ -1,0 +1,421 @@
+"""This process's K replicas of the LightningModule, and what keeps them training as one: the copies and their
+optimizers, the metrics merged into replica 0's, the update stepped on every copy, buffer sync and the desync
+check. Replicas are made once, at setup, and kept equal by stepping the same update on each (where
+`torch.nn.DataParallel` copies them again every step). `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
+
+Following replica 0. Callbacks and hooks act on replica 0 (the LightningModule the Trainer holds) and on its
+optimizer only. During fit they may add a param group (Lightning's `BaseFinetuning.unfreeze_and_add_param_group`),
+change a group's lr, momentum or weight decay (schedulers, `BackboneFinetuning`), freeze or unfreeze parameters
+(`requires_grad`), load an optimizer state (the lr finder's restore), or replace the optimizer
+(`trainer.strategy.optimizers = [...]`). The other replicas' `requires_grad` flags, their copies of the optimizer
+and the gradient exchange's overlap hooks are built from replica 0. `Replica0Watch` records what they were built
+from and, at every step, says what differs now, so that only that is rebuilt; rebuilding is exact because
+the replicas are bitwise equal between steps (replica 0's optimizer state is then every copy's state too).
+Group settings (lr, momentum, ...) are not watched: they are copied into every copy before every update.
+"""
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import move_data_to_device
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchmetrics import Metric
+
+from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
+from src.strategies.lockstep import lockstep_apply
+from src.strategies.scatter_gather import ShardedCall, parallel_apply
+from src.strategies.sync_batchnorm import convert_, revert_
+from src.timeline.labels import replica_phase
+
+BUFFER_SYNC_MODES = ("broadcast", "mean")
+Layout = tuple[tuple[int, ...], ...]  # per param group, the indices of its parameters in `module.parameters()`
+
+
+class ReplicaDesyncError(RuntimeError):
+    """Raised when a replica's parameters or buffers are no longer bitwise equal to replica 0's."""
+
+
+def clone_replica(replica0: nn.Module, device: torch.device) -> nn.Module:
+    """Deep copy of `replica0` on `device` with identical parameters.
+
+    d2l.ai, "Training on Multiple GPUs": `get_params` copies the parameters to each device once. A
+    LightningModule's pickling state drops its trainer reference, so the copy starts detached; the caller
+    attaches the trainer so that `self.log` in the copy reaches the same result collection. The copy's
+    torchmetrics objects start empty: what they accumulate is merged into replica 0's after each step.
+    """
+    replica = copy.deepcopy(replica0).to(device)
+    forget_metric_attributes(replica)
+    for metric in replica.modules():
+        if isinstance(metric, Metric):
+            metric.reset()  # replica 0's metrics may hold states of an earlier stage; they are merged into it
+    return replica
+
+
+def metric_pairs(replica0: nn.Module, replica: nn.Module) -> list[tuple[Metric, Metric]]:
+    """The torchmetrics objects of replica 0 paired with the other replica's copies of them, by module name."""
+    copies = {name: m for name, m in replica.named_modules() if isinstance(m, Metric)}
+    return [(m, copies[name]) for name, m in replica0.named_modules() if isinstance(m, Metric)]
+
+
+def merge_metrics_(pairs: list[tuple[Metric, Metric]]) -> None:
+    """Add each replica metric's accumulated state into replica 0's metric, then reset the replica's.
+
+    Done after every step so replica 0's metric object, the one Lightning computes at epoch end, covers
+    every shard; the other replicas then start the next step empty.
+
+    Raises:
+        RuntimeError: From torchmetrics, for a metric with `full_state_update=True` (no simple merge).
+    """
+    for target, source in pairs:
+        if source.update_count == 0:
+            continue
+        target.merge_state(move_data_to_device(source.metric_state, target.device))
+        forget_computed_value(target)
+        source.reset()
+
+
+def clone_optimizer(optimizer: torch.optim.Optimizer, replica0: nn.Module, replica: nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of the same class over the replica's parameters, with a private copy of the state.
+
+    The state is deep-copied before loading: `Optimizer.load_state_dict` keeps tensors that are already on
+    the parameter's device as they are, so a replica on replica 0's device would otherwise share (and
+    update twice) replica 0's momentum or Adam buffers.
+    """
+    index = {id(p): i for i, p in enumerate(replica0.parameters())}
+    params = list(replica.parameters())
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[index[id(p)]] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    try:
+        clone = type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:  # optimizers whose defaults hold keys their __init__ does not take
+        clone = type(optimizer)(groups)
+    clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return clone
+
+
+def copy_hyperparameters_(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Copy lr, momentum and the other group settings (what lr schedulers change) from `source` to `target`.
+
+    Raises:
+        ValueError: If the two have different numbers of param groups (the copy was cloned before a group was
+            added or removed; `Replica0Watch` makes the strategy clone it again first).
+    """
+    for src, dst in zip(source.param_groups, target.param_groups, strict=True):
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value
+
+
+@torch.no_grad()
+def copy_gradients_(source: nn.Module, target: nn.Module) -> None:
+    """Copy every parameter's `.grad` of `source` into the same parameter of `target` (both have one)."""
+    for p, q in zip(source.parameters(), target.parameters()):
+        if p.grad is not None and q.grad is not None:
+            q.grad.copy_(p.grad)
+
+
+@torch.no_grad()
+def copy_parameters_(replicas: list[nn.Module]) -> None:
+    """Make replicas 1..K-1 take replica 0's parameter values, each on its own device, and drop their gradients.
+
+    Used instead of stepping their optimizers when replica 0's optimizer changed after this step's forward pass
+    (e.g. a param group added in `on_before_optimizer_step`): their copies of it could not make the same update.
+    """
+    for replica in replicas[1:]:
+        for p, q in zip(replicas[0].parameters(), replica.parameters()):
+            q.copy_(p)
+            q.grad = None
+
+
+def step_other_replicas_(optimizer: torch.optim.Optimizer, replicas: list[nn.Module],
+                         optimizers: list[torch.optim.Optimizer], clipped: bool) -> None:
+    """Step replicas 1..K-1 (`optimizers`: theirs, in order) after replica 0's `optimizer` stepped.
+
+    Each first takes replica 0's group settings (lr schedulers change replica 0's groups only) and, when
+    Lightning clipped replica 0's gradients (`clipped`), replica 0's gradients, so every replica makes the same
+    update.
+    """
+    for k, (replica, opt) in enumerate(zip(replicas[1:], optimizers), start=1):
+        with replica_phase(k, "optimizer"):
+            copy_hyperparameters_(optimizer, opt)
+            if clipped:
+                copy_gradients_(replicas[0], replica)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def check_buffer_mode(mode: str) -> None:
+    """Raises ValueError unless `mode` is one of BUFFER_SYNC_MODES."""
+    if mode not in BUFFER_SYNC_MODES:
+        raise ValueError(f"unknown sync_buffers mode {mode!r}; choose broadcast or mean")
+
+
+@torch.no_grad()
+def sync_buffers_(replicas: list[nn.Module], mode: str) -> None:
+    """Make every replica's buffers (BatchNorm running statistics) equal.
+
+    Args:
+        replicas: Replica 0 first.
+        mode: "broadcast": copy replica 0's buffers to the others (DDP's `broadcast_buffers` default);
+            "mean": average floating-point buffers over replicas and copy the result everywhere (integer
+            buffers such as `num_batches_tracked` are copied from replica 0).
+
+    Raises:
+        ValueError: For an unknown mode.
+    """
+    check_buffer_mode(mode)
+    per_replica = [list(r.buffers()) for r in replicas]
+    if mode == "mean":
+        for bufs in zip(*per_replica):
+            root = bufs[0]
+            if root.is_floating_point():
+                total = root.clone()
+                for b in bufs[1:]:
+                    total.add_(b.to(root.device))
+                root.copy_(total.div_(len(bufs)))
+    for bufs in per_replica[1:]:
+        if all(b.device == r.device for b, r in zip(bufs, per_replica[0])):
+            # a multi-tensor copy per dtype on replica 0's device: ResNet-18's 60 buffers in 2 calls, not 60 copies
+            by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+            for b, root in zip(bufs, per_replica[0]):
+                dst, src = by_dtype.setdefault(root.dtype, ([], []))
+                dst.append(b)
+                src.append(root)
+            for dst, src in by_dtype.values():
+                torch._foreach_copy_(dst, src)
+        else:
+            for b, root in zip(bufs, per_replica[0]):
+                b.copy_(root)
+
+
+@torch.no_grad()
+def first_difference(replica0: nn.Module, replica: nn.Module) -> tuple[str, float] | None:
+    """The first parameter or buffer (by name) that is not bitwise equal, with its max abs difference."""
+    reference = dict(replica0.named_buffers())
+    reference.update(replica0.named_parameters())
+    compared = dict(replica.named_buffers())
+    compared.update(replica.named_parameters())
+    for name, t in reference.items():
+        other = compared[name].to(t.device)
+        if not torch.equal(t, other):
+            diff = (t.double() - other.double()).abs().max().item() if t.is_floating_point() else float("nan")
+            return name, diff
+    return None
+
+
+class Replica0Watch:
+    """What the other replicas, their optimizers and the exchange were built from, compared with replica 0 now.
+
+    Args:
+        replicas: This process's replicas, replica 0 first; their parameters must not change after this (checked
+            by `check_parameters`).
+    """
+
+    def __init__(self, replicas: list[nn.Module]) -> None:
+        self.replicas = replicas
+        self.params = list(replicas[0].parameters())
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.trainable: tuple[bool, ...] | None = None  # the requires_grad flags the replicas were given last
+        self.optimizer: Optimizer | None = None  # the optimizer the copies were cloned from
+        self.layout: Layout | None = None
+        self._state: Any = None  # its `state` dict then: `load_state_dict` replaces it with a new one
+
+    def check_parameters(self) -> None:
+        """Raises RuntimeError if replica 0's parameters are no longer those the replicas were copied from."""
+        now = list(self.replicas[0].parameters())
+        if len(now) != len(self.params) or any(p is not q for p, q in zip(now, self.params)):
+            raise RuntimeError(
+                f"split_allreduce: the LightningModule's parameters changed during fit ({len(self.params)} at setup, "
+                f"{len(now)} now, or one was replaced), but the other replicas were copied at setup and have no "
+                "copy of the new ones; create every parameter before fit starts (in __init__ or configure_model)")
+
+    def follow_trainable(self) -> bool:
+        """Give every other replica replica 0's `requires_grad` flags.
+
+        Returns:
+            Whether the flags changed since the last call (always True on the first), i.e. whether the exchange's
+            overlap hooks, registered on the parameters that require a gradient, must be made again.
+        """
+        flags = tuple(p.requires_grad for p in self.params)
+        if flags == self.trainable:
+            return False
+        for replica in self.replicas[1:]:
+            for p, flag in zip(replica.parameters(), flags):
+                p.requires_grad_(flag)
+        self.trainable = flags
+        return True
+
+    def layout_of(self, optimizer: Optimizer) -> Layout:
+        """`optimizer`'s param groups as indices into replica 0's parameters.
+
+        Raises:
+            RuntimeError: If a group holds a tensor that is not a parameter of replica 0: no other replica has a
+                copy of it to update.
+        """
+        try:
+            return tuple(tuple(self._index[id(p)] for p in group["params"]) for group in optimizer.param_groups)
+        except KeyError:
+            raise RuntimeError(
+                "split_allreduce: the optimizer holds a tensor that is not a parameter of the LightningModule, so the "
+                "other replicas have no copy of it to update; build the optimizer over the module's own parameters "
+                "(self.parameters() or a subset of them)") from None
+
+    def optimizer_changed(self, optimizer: Optimizer, copies: list[Optimizer] | None = None) -> bool:
+        """Whether `optimizer` differs from the one the copies were cloned from: another object, param groups
+        added, removed or regrouped, a state loaded into it (`load_state_dict`), or, given the `copies` (only
+        between steps, when every copy has stepped as often as replica 0's), state entries added or cleared.
+
+        Raises:
+            RuntimeError: From `layout_of`.
+        """
+        if optimizer is not self.optimizer or optimizer.state is not self._state:
+            return True
+        if self.layout_of(optimizer) != self.layout:
+            return True
+        return copies is not None and any(len(c.state) != len(optimizer.state) for c in copies)
+
+    def record(self, optimizer: Optimizer) -> None:
+        """Remember `optimizer`, as it is now, as the one the copies are cloned from.
+
+        Raises:
+            RuntimeError: From `layout_of`.
+        """
+        self.layout = self.layout_of(optimizer)
+        self.optimizer, self._state = optimizer, optimizer.state
+
+
+def check_one_optimizer(optimizers: list) -> None:
+    """Raises RuntimeError unless there is exactly one optimizer (each replica steps its own copy of it)."""
+    if len(optimizers) != 1:
+        raise RuntimeError(f"split_allreduce steps one optimizer (every replica keeps its own copy of it), got "
+                           f"{len(optimizers)}: put all parameters into one optimizer, one param group per setting")
+
+
+class ReplicaSet:
+    """K replicas on their devices, replica 0 being the module the Trainer holds.
+
+    Args:
+        replica0: The Trainer's LightningModule.
+        devices: One device per replica, replica 0's first.
+        trainer: The Trainer; each copy is attached to it, so that its `self.log` reaches the same results.
+        sync_batchnorm: Turn the replicas' BatchNorm layers into one synchronised group (`trainer.sync_batchnorm`).
+        across_processes: Whether the job has several processes (synchronised BatchNorm then spans them).
+    """
+
+    def __init__(self, replica0: "pl.LightningModule", devices: list[torch.device], trainer: "pl.Trainer",
+                 sync_batchnorm: bool, across_processes: bool) -> None:
+        self.modules = [replica0, *(clone_replica(replica0, device) for device in devices[1:])]
+        for replica in self.modules[1:]:
+            replica.trainer = trainer
+        self.devices = devices
+        self.sync_group = convert_(self.modules, across_processes) if sync_batchnorm else None
+        self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
+        self._copies: list[Optimizer] = []  # replicas 1..K-1's optimizers
+        self.watch: Replica0Watch | None = None  # what the copies were built from
+
+    def follow(self, optimizers: list[Optimizer], anew: bool = False) -> bool:
+        """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
+        (`Replica0Watch`): new `requires_grad` flags reach every replica; another optimizer, new param groups or
+        a loaded optimizer state make every replica clone the optimizer again.
+
+        Args:
+            optimizers: The strategy's optimizers (exactly one).
+            anew: Watch replica 0 afresh (at train start, after a checkpoint's optimizer state was restored).
+
+        Returns:
+            Whether the `requires_grad` flags changed (always True when `anew`): the gradient exchange, whose
+            overlap hooks sit on the parameters that require a gradient, must then be made again.
+
+        Raises:
+            RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
+                optimizer holding a tensor that is not a parameter of the module.
+        """
+        check_one_optimizer(optimizers)
+        if anew or self.watch is None:
+            self.watch = Replica0Watch(self.modules)
+        self.watch.check_parameters()
+        trainable_changed = self.watch.follow_trainable()
+        if self.watch.optimizer_changed(optimizers[0], self._copies):
+            self._clone(optimizers[0])
+        return trainable_changed
+
+    def _clone(self, optimizer: Optimizer) -> None:
+        self.watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
+        self._copies = [clone_optimizer(optimizer, self.modules[0], r) for r in self.modules[1:]]
+
+    def run(self, call: ShardedCall, step_context: Callable[[], Any], timed: bool) -> tuple[list[Any], list[float]]:
+        """`call.hook` of every replica on its shard, then their metrics merged into replica 0's.
+
+        Returns:
+            (the replicas' outputs, each replica's seconds when `timed`, else an empty list).
+        """
+        seconds: list[float] = []
+        if self.sync_group is not None and call.hook == "training_step":  # sync_batchnorm: replicas in lockstep
+            outputs = lockstep_apply(self.modules, self.devices, call, self.sync_group, step_context)
+        else:
+            outputs, seconds = parallel_apply(self.modules, self.devices, call, timed=timed)
+        for pairs in self._metric_pairs:
+            merge_metrics_(pairs)
+        return outputs, seconds
+
+    def step_others(self, optimizers: list[Optimizer], clipped: bool) -> None:
+        """After replica 0's optimizer step: the same update on every other replica. An optimizer changed after
+        the forward pass (e.g. a group added in `on_before_optimizer_step`) cannot be replayed by the copies:
+        the replicas then take replica 0's weights and clone its optimizer as it is now.
+
+        Args:
+            optimizers: The strategy's optimizers (exactly one).
+            clipped: Whether gradients were clipped (the copies then take replica 0's clipped gradients).
+        """
+        check_one_optimizer(optimizers)
+        if self.watch.optimizer_changed(optimizers[0]):
+            copy_parameters_(self.modules)
+            self._clone(optimizers[0])
+        else:
+            step_other_replicas_(optimizers[0], self.modules, self._copies, clipped)
+
+    def check_in_sync(self, step: int) -> None:
+        """Check every replica is bitwise equal to replica 0.
+
+        Raises:
+            ReplicaDesyncError: Naming the replica, its device, the first parameter or buffer that differs, its
+                max abs difference and the optimizer step `step`.
+        """
+        for k, replica in enumerate(self.modules[1:], start=1):
+            diff = first_difference(self.modules[0], replica)
+            if diff is not None:
+                name, delta = diff
+                raise ReplicaDesyncError(f"replica {k} on {self.devices[k]} differs from replica 0 at '{name}' (max "
+                                         f"abs difference {delta:.3e}) after optimizer step {step}")
+
+    def tensor(self, k: int, name: str) -> Tensor:
+        """Replica k's copy of a named parameter or buffer (e.g. "net.features.0.bias"), on its device.
+
+        Raises:
+            IndexError: If there is no replica k. KeyError: If there is no such name; the message lists a few.
+        """
+        if not 0 <= k < len(self.modules):
+            raise IndexError(f"replica {k} does not exist; there are {len(self.modules)} (0 to "
+                             f"{len(self.modules) - 1})")
+        found = {**dict(self.modules[k].named_parameters()), **dict(self.modules[k].named_buffers())}
+        if name not in found:
+            raise KeyError(f"no parameter or buffer named {name!r}; some valid names: {', '.join(list(found)[:5])}")
+        return found[name]
+
+    def load_from_replica0(self, strict: bool) -> None:
+        """Every other replica loads replica 0's state dict (after a checkpoint was loaded into it)."""
+        if len(self.modules) < 2:  # one replica, or dropped at teardown
+            return
+        state = self.modules[0].state_dict()
+        for replica in self.modules[1:]:
+            replica.load_state_dict(state, strict=strict)
+
+    def remove(self) -> None:
+        """Make synchronised BatchNorm layers plain again (checkpoints and later stages see plain BatchNorm) and
+        drop the copies."""
+        revert_(self.modules)
+        self.modules, self._copies, self._metric_pairs, self.sync_group, self.watch = [], [], [], None, None
