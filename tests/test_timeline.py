@@ -93,7 +93,8 @@ def _check_phases_drawn(folder, ranks):
             "dp/backward")
         for span in phases:
             a, b = (span.start - lo) / 1000, (span.end - lo) / 1000
-            assert _overlap(drawn.get("optimizer", []), a, b) == 0, (rank, span)
+            # 1e-6 ms (1 ns, the trace's resolution): bar edges computed from µs timestamps round to ~1e-14 ms
+            assert _overlap(drawn.get("optimizer", []), a, b) < 1e-6, (rank, span)
             if span.name == "dp/forward":
                 assert _overlap(drawn["forward"], a, b) >= 0.5 * (b - a), (rank, span)
             else:
