@@ -53,6 +53,8 @@ SKIPPED = [
     (r"TCPStore\(|^TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun \.\.\.", "a store host for several machines "
      "(STOREHOST and `...` are placeholders for the command above)"),
     (r"^#SBATCH|^srun ", "needs a SLURM cluster"),
+    (r"^python -m src\.scaling --config configs/lenet\.yaml$", "tests/test_scaling.py::test_scaling_report_on_cpu "
+     "runs this command (2 epochs of the tiny data) and checks its report: rows, accuracies, table, picture"),
     (r"^torchrun --nnodes N ", "placeholders N, K, i and HOST for several machines; tests/test_launchers.py runs "
                                "DDP and ours under two torchrun nodes on loopback"),
     (r"^python -m src\.forecast --calibrate$", "re-measures this machine for minutes and rewrites the shipped "
