@@ -284,9 +284,9 @@ def _check_example_epoch_line(command: Command, examples: list[str], result: dic
 def _check_stdout_stderr_split(result: dict) -> None:
     """README: stdout holds the run's report (the kinds of line its sentence lists) and nothing else; the test
     accuracy line goes to stderr."""
-    sentence = re.search(r"stdout holds the run's report: the epoch\s+lines, a resumed run's `restart …` and "
-                         r"`finished …` lines, a profiled run's `step timeline …` line and Lightning's\s+"
-                         r"`Test metric` table\.", README)
+    flowing = re.sub(r"\s+", " ", README)  # the sentence as read, wherever its lines break
+    sentence = ("stdout holds the run's report: the epoch lines, a resumed run's `restart …` and `finished …` lines, "
+                "a profiled run's `step timeline …` line and Lightning's `Test metric` table.") in flowing
     assert sentence, "README no longer says what stdout holds: update this check with it"
     epoch = re.compile(_number_pattern(_readme_examples()[0].split(":")[0] + ":"))
     assert re.search(r"^test acc ", result["stderr"], re.M) and not re.search(r"^test acc ", result["stdout"], re.M), \
