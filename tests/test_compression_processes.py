@@ -16,7 +16,7 @@ from src.strategies import SplitAllreduceStrategy
 from src.strategies.comm.compression import compressed_rank
 from src.strategies.compression_state import KEY
 from tests.helpers.cli_args import RESUMABLE_CALLBACKS, RESUMABLE_FLOAT64, data_args, trainer_args
-from tests.helpers.runs import fit, max_param_diff, param_distance, seeded_model, strategy_replicas
+from tests.helpers.runs import START_METHOD, fit, max_param_diff, param_distance, seeded_model, strategy_replicas
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -51,7 +51,7 @@ class Snapshots(pl.Callback):
 
 
 def _ours(**kwargs) -> SplitAllreduceStrategy:
-    return SplitAllreduceStrategy(start_method="spawn", process_group_backend="gloo", **kwargs)
+    return SplitAllreduceStrategy(start_method=START_METHOD, process_group_backend="gloo", **kwargs)
 
 
 def _single_at(data_dir, steps):

@@ -18,7 +18,7 @@ from src.layout import parallel_layout
 from src.models.classifier import LeNetClassifier
 from src.strategies import CompressedDDPStrategy
 from tests.helpers.ports import free_port
-from tests.helpers.runs import fit
+from tests.helpers.runs import START_METHOD, fit
 
 STEPS, WARMUP, BATCH = 4, 2, 32  # PowerSGD: steps 1-2 a plain allreduce, steps 3-4 compressed
 COMPRESSIONS = ("none", "bf16", "powersgd")
@@ -74,7 +74,7 @@ def _powersgd_elements(model: torch.nn.Module, rank: int, min_rate: float) -> in
 def test_hooks_run_and_count_their_bytes_on_the_cpu(tiny_data_dir, tmp_path):
     fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, callbacks=[StepRecord(str(tmp_path / "single.pt"))])
     mp.start_processes(_worker, args=(free_port(), str(tiny_data_dir), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+                       start_method=START_METHOD, join=True)
     single = [row["params"] for row in torch.load(tmp_path / "single.pt", weights_only=True)]
     runs = {c: [torch.load(tmp_path / f"{c}-{r}.pt", weights_only=True) for r in range(2)] for c in COMPRESSIONS}
     numel = sum(p.numel() for p in LeNetClassifier().parameters())

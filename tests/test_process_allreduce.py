@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from src.sharding import shard_sizes
 from src.strategies.comm.process_allreduce import process_allreduce, ring_allreduce_, torch_allreduce_
 from tests.helpers.ports import free_port
+from tests.helpers.runs import START_METHOD
 
 pytestmark = pytest.mark.slow  # starts processes of its own
 
@@ -42,9 +43,9 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_between_processes_equals_all_reduce_and_counts_its_bytes(world):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
     results = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(world, free_port(), results), nprocs=world, start_method="spawn",
+    procs = mp.start_processes(_worker, args=(world, free_port(), results), nprocs=world, start_method=START_METHOD,
                                join=False)
     got = {}
     for _ in range(world * len(LENGTHS) + (2 if world == 3 else 0)):  # read while they run: a full pipe blocks

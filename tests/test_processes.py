@@ -10,7 +10,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import ddp, fit, max_param_diff, stop_then_resume, strategy_replicas
+from tests.helpers.runs import START_METHOD, ddp, fit, max_param_diff, stop_then_resume, strategy_replicas
 from tests.helpers.shards import ShardSizes, saved_shard_sizes
 
 pytestmark = pytest.mark.slow  # spawns processes
@@ -36,7 +36,7 @@ class RankSnapshot(pl.Callback):
 
 
 def ours(**kwargs) -> SplitAllreduceStrategy:
-    return SplitAllreduceStrategy(start_method="spawn", process_group_backend="gloo", **kwargs)
+    return SplitAllreduceStrategy(start_method=START_METHOD, process_group_backend="gloo", **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from src.strategies import SplitAllreduceStrategy
+from tests.helpers.runs import START_METHOD
 
 SAMPLES, FEATURES, CLASSES, BATCH = 96, 8, 3, 24  # 4 global batches of 24 per epoch
 
@@ -92,9 +93,9 @@ class FreezeBodyUntil(BaseFinetuning):
 
 
 def ours(k: int = 2, processes: int = 1, **kwargs) -> SplitAllreduceStrategy:
-    """P `processes` (spawned, gloo) x `k` CPU replicas."""
+    """P `processes` (forked, gloo) x `k` CPU replicas."""
     if processes > 1:
-        kwargs.update(start_method="spawn", process_group_backend="gloo")
+        kwargs.update(start_method=START_METHOD, process_group_backend="gloo")
     return SplitAllreduceStrategy(devices=["cpu"] * k, **kwargs)
 
 
@@ -325,8 +326,8 @@ def _agreement_rank(rank: int, store: str, results=None) -> tuple:
 def test_processes_that_disagree_about_the_optimizer_are_refused(tmp_path):
     """A change made on some ranks only (here: rank 1 froze the head) is refused on every rank before the exchange,
     by the allreduce that counts the global batch, on 2 real processes: rank 0 is this one (already set up), rank 1
-    a spawned one."""
-    context = mp.get_context("spawn")
+    a forked one."""
+    context = mp.get_context(START_METHOD)
     results = context.SimpleQueue()
     store = str(tmp_path / "store")
     other = context.Process(target=_agreement_rank, args=(1, store, results))

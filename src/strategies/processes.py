@@ -30,15 +30,17 @@ class ProcessesParallelStrategy(ParallelStrategy):
         timeout: How long a collective waits for a process that does not answer before it fails (the
             process-group timeout of `torch.distributed.init_process_group`).
         start_method: How the local processes are started when P > 1: "popen" (the command line is run again
-            once per extra process, as Lightning's DDP does by default) or "spawn" (worker processes, for
-            pytest and notebooks). Processes started by torchrun or SLURM are used as they are.
+            once per extra process, as Lightning's DDP does by default), "spawn" (fresh worker processes that
+            import everything again) or "fork" (copies of this process, started in about a second: Lightning's
+            `ddp_fork`, for notebooks and tests on the CPU; not after CUDA is initialised). Processes started
+            by torchrun or SLURM are used as they are.
     """
 
     def __init__(self, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn"] = "popen") -> None:
+                 start_method: Literal["popen", "spawn", "fork"] = "popen") -> None:
         super().__init__()
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method must be popen or spawn, got {start_method!r}")
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"start_method must be popen, spawn or fork, got {start_method!r}")
         self._num_nodes = 1
         self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
 

@@ -73,7 +73,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             bitwise the same result (steps that compute `log_grad_norms` exchange after backward).
         process_group_backend: Between processes: "gloo" (CPU) or "nccl" (GPU); default by device type.
         timeout: How long a collective waits for a process that stopped answering (e.g. "0:10:00").
-        start_method: "popen" (the command line runs again per extra local process) or "spawn".
+        start_method: "popen" (the command line runs again per extra local process), "spawn" or "fork"
+            (worker processes started fresh or copied from this one).
         compression: How each bucket travels between processes: "none" (exactly), "bf16" (sent and summed in
             bfloat16) or "powersgd" (a rank-`powersgd_rank` approximation with error feedback; Vogels et al.,
             NeurIPS 2019). Among a process's own replicas the exchange stays exact; with one process it has
@@ -103,7 +104,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
                  auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False,
                  overlap: bool = False, process_group_backend: Literal["gloo", "nccl"] | None = None,
                  timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn"] = "popen",
+                 start_method: Literal["popen", "spawn", "fork"] = "popen",
                  compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
                  powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
