@@ -161,16 +161,34 @@ class Runner:
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
+def runner(tmp_path_factory, testrun_uid):
     runner = Runner(tmp_path_factory.mktemp("docs"))
-    base = runner.workdir("base")
-    for overlay in ([], ["--config", "configs/strategy/split_allreduce.yaml"],
-                    ["--config", "configs/strategy/ddp_cpu.yaml"]):
-        result = runner.python_m("src.cli", runner.shorten(["fit", "--config", "configs/lenet.yaml", *overlay]), base)
-        assert result["rc"] == 0, result["stderr"][-3000:]
-    runner.base = base
+    # one folder for the whole session, beside the xdist workers' own temporary folders
+    runner.base = _shared_base(runner, tmp_path_factory.getbasetemp().parent / f"docs-base-{testrun_uid}")
     yield runner
     runner.close()
+
+
+def _shared_base(runner: Runner, base: Path) -> Path:
+    """The three short runs that every command's folder starts from (one device, ours 1 x 2, DDP 2 x 1), made once
+    per test session: the first xdist worker to get here makes them, the others wait for it and copy them."""
+    from filelock import FileLock
+
+    with FileLock(f"{base}.lock"):
+        if (base / "complete").is_file():
+            return base
+        if base.exists():  # left half-made by a worker whose runs failed: made again
+            shutil.rmtree(base)
+        base.mkdir()
+        for linked in ("configs", "benchmarks", "scripts"):
+            (base / linked).symlink_to(ROOT / linked)
+        for overlay in ([], ["--config", "configs/strategy/split_allreduce.yaml"],
+                        ["--config", "configs/strategy/ddp_cpu.yaml"]):
+            result = runner.python_m("src.cli", runner.shorten(["fit", "--config", "configs/lenet.yaml", *overlay]),
+                                     base)
+            assert result["rc"] == 0, result["stderr"][-3000:]
+        (base / "complete").touch()
+    return base
 
 
 def test_the_docs_hold_commands_and_every_skip_names_a_command():
