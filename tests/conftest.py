@@ -46,13 +46,14 @@ def fast_args(tiny_data_dir, tmp_path):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the tests that start processes of their own (marked slow) first, in their file order.
+    """Run the tests that start processes of their own (marked slow) first, then those that train ResNet-18 on
+    the CPU (tens of seconds each in the loaded suite), then the rest, each group in file order.
 
     The suite runs on three pytest-xdist workers (scripts/test.sh, `--dist worksteal`): each takes a third of the
     collection and, once done, steals from the end of another's queue. With the long tests at the front the
     last tests to start are short ones, so no worker waits long for the others at the end.
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "resnet" not in item.nodeid.lower()))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         marker = item.get_closest_marker("gpu")

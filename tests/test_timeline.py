@@ -1,7 +1,6 @@
 """The step timeline: labelled phases in real traces, categories measured from intervals, and nothing when off."""
 
 import csv
-import os
 from pathlib import Path
 
 import pytest
@@ -188,31 +187,29 @@ def test_the_picture_draws_the_phase_the_labels_name():
 
 @pytest.mark.slow  # starts processes of its own (2 x 2)
 @pytest.mark.parametrize("layout", ["1x2", "2x2"])
-def test_the_profile_overlay_changes_nothing_it_records(tiny_data_dir, tmp_path, layout):
+def test_the_profile_overlay_changes_nothing_it_records(tiny_data_dir, tmp_path, layout, monkeypatch):
     """Ours with and without configs/profile.yaml (steps 20-24 recorded), 30 steps: one backward per step through
-    the precision plugin in every process either way, and the same weights bit for bit."""
-    import subprocess
-    import sys
-
+    the precision plugin in every process either way, and the same weights bit for bit. The CLI runs in this
+    process; 2 x 2 forks its two processes from it (tests.helpers.runs.START_METHOD)."""
+    from src.cli import main
     from tests.helpers.cli_args import data_args, trainer_args
     from tests.helpers.counting import COUNT_DIR
+    from tests.helpers.runs import START_METHOD
 
     ours = ["--config", "configs/strategy/split_allreduce.yaml"] if layout == "1x2" else [
         "--config", "configs/strategy/split_allreduce_processes.yaml",
-        "--trainer.strategy.init_args.replicas_per_process", "2"]
+        "--trainer.strategy.init_args.replicas_per_process", "2",
+        "--trainer.strategy.init_args.start_method", START_METHOD]
     ranks = 1 if layout == "1x2" else 2
     weights = {}
     for run in ("plain", "profiled"):
         counts = tmp_path / run / "counts"
         counts.mkdir(parents=True)
-        args = ["fit", "--config", "configs/lenet.yaml", *ours,
-                *(["--config", "configs/profile.yaml"] if run == "profiled" else []),
-                "--model", "tests.helpers.counting.BackwardCountingLeNet", *data_args(tiny_data_dir, batch_size=16),
-                *trainer_args(tmp_path / run / "logs"), "--trainer.max_steps", "30", "--test_after_fit", "false"]
-        env = {**os.environ, COUNT_DIR: str(counts), "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-m", "src.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        monkeypatch.setenv(COUNT_DIR, str(counts))
+        main(["fit", "--config", "configs/lenet.yaml", *ours,
+              *(["--config", "configs/profile.yaml"] if run == "profiled" else []),
+              "--model", "tests.helpers.counting.BackwardCountingLeNet", *data_args(tiny_data_dir, batch_size=16),
+              *trainer_args(tmp_path / run / "logs"), "--trainer.max_steps", "30", "--test_after_fit", "false"])
         assert [int((counts / f"rank{r}.txt").read_text()) for r in range(ranks)] == [30] * ranks
         [ckpt] = (tmp_path / run / "logs").glob("lenet/*/version_0/checkpoints/last.ckpt")
         weights[run] = torch.load(ckpt, weights_only=True)["state_dict"]
