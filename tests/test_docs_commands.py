@@ -111,6 +111,14 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
+def _linked_folder(work: Path) -> Path:
+    """A new folder in which the repository's configs, benchmarks and scripts are where the docs' commands look."""
+    work.mkdir()
+    for linked in ("configs", "benchmarks", "scripts"):
+        (work / linked).symlink_to(ROOT / linked)
+    return work
+
+
 class Runner:
     """Runs documented commands, shortened, each in a folder of its own."""
 
@@ -123,10 +131,7 @@ class Runner:
         self.count = 0
 
     def workdir(self, name: str, logs_from: Path | None = None) -> Path:
-        work = self.root / name
-        work.mkdir()
-        for linked in ("configs", "benchmarks", "scripts"):
-            (work / linked).symlink_to(ROOT / linked)
+        work = _linked_folder(self.root / name)
         if logs_from is not None:
             shutil.copytree(logs_from / "logs", work / "logs", symlinks=True)
         return work
@@ -179,9 +184,7 @@ def _shared_base(runner: Runner, base: Path) -> Path:
             return base
         if base.exists():  # left half-made by a worker whose runs failed: made again
             shutil.rmtree(base)
-        base.mkdir()
-        for linked in ("configs", "benchmarks", "scripts"):
-            (base / linked).symlink_to(ROOT / linked)
+        _linked_folder(base)
         for overlay in ([], ["--config", "configs/strategy/split_allreduce.yaml"],
                         ["--config", "configs/strategy/ddp_cpu.yaml"]):
             result = runner.python_m("src.cli", runner.shorten(["fit", "--config", "configs/lenet.yaml", *overlay]),

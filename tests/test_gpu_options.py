@@ -5,25 +5,19 @@ of ours between processes on two GPUs (NCCL refuses two ranks on one GPU, so tha
 Marked `gpu`: skipped without CUDA (tests/conftest.py), run by `bash scripts/gpu_check.sh`.
 """
 
-from pathlib import Path
-
 import pytest
 
 from src.models.classifier import ResNet18Classifier
 from src.sharding import shard_sizes
 from src.strategies import SplitAllreduceStrategy
-from tests.helpers.runs import assert_replicas_bitwise_equal, fit, max_param_diff, param_distance, seeded_model
+from tests.helpers.runs import assert_replicas_bitwise_equal, max_param_diff, param_distance, seeded_model
 from tests.helpers.shards import ShardSizes
 from tests.test_compression_processes import BF16_FRACTION, N, Snapshots, _assert_all_equal, _load
+from tests.test_gpu import _gpu_fit
 from tests.test_numerics import PoisonedLeNet
 
 pytestmark = pytest.mark.gpu
 CUDA2 = ["cuda:0", "cuda:0"]
-
-
-def _gpu_fit(data_dir, strategy="auto", **kwargs):
-    """`tests.helpers.runs.fit` (float64, seed 0) with Lightning's accelerator on the GPU."""
-    return fit(data_dir, strategy, **{"accelerator": "gpu", "devices": 1, **kwargs})
 
 
 def test_auto_split_times_cuda_replicas_and_stays_exact(tiny_data_dir):
@@ -69,7 +63,7 @@ def test_bf16_compression_of_ours_between_two_gpu_processes(tiny_data_dir, tmp_p
     equal, each sends a quarter of the float64 gradient, and the weights stay near one GPU's."""
     strategy = SplitAllreduceStrategy(start_method="spawn", process_group_backend="nccl", compression="bf16")
     model, _, _ = _gpu_fit(tiny_data_dir, strategy, steps=5, devices=2, callbacks=[Snapshots(str(tmp_path), 0)])
-    ranks = _load(Path(tmp_path))
+    ranks = _load(tmp_path)
     _assert_all_equal([r["final"] for r in ranks])
     single, _, _ = _gpu_fit(tiny_data_dir, steps=5)
     off, moved = param_distance(model, single), param_distance(single, seeded_model())

@@ -31,9 +31,9 @@ class ProcessesParallelStrategy(ParallelStrategy):
             process-group timeout of `torch.distributed.init_process_group`).
         start_method: How the local processes are started when P > 1: "popen" (the command line is run again
             once per extra process, as Lightning's DDP does by default), "spawn" (fresh worker processes that
-            import everything again) or "fork" (copies of this process, started in about a second: Lightning's
-            `ddp_fork`, for notebooks and tests on the CPU; not after CUDA is initialised). Processes started
-            by torchrun or SLURM are used as they are.
+            import everything again) or "fork" (copies of this process, which skip the imports a new interpreter
+            repeats: Lightning's `ddp_fork`, for notebooks and tests on the CPU; not after CUDA is initialised).
+            Processes started by torchrun or SLURM are used as they are.
     """
 
     def __init__(self, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
