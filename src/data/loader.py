@@ -5,6 +5,7 @@ contiguous slice of every global batch, so one optimizer step sees the same samp
 strategy (single device, the split/allreduce strategy with any P x K, or DDP with any world size).
 """
 
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +29,10 @@ class GlobalBatchSampler:
             shares. Rank r takes `shard_sizes(len(batch), rank_shares)[r]` samples of each global batch
             (largest remainder: 255 over shares [3, 1] is 191 + 64). Read at every batch, so a strategy
             that changes the list in place (`split_weights: auto`) changes the split from the next batch on.
+
+    Every rank knows the global batch it takes part in without asking the others: `claim_global_batch` gives the
+    size and the ranks' parts of the oldest batch handed out and not yet claimed (the loop fetches one batch ahead
+    of the step that uses it, so "the last one handed out" would be the wrong one).
     """
 
     def __init__(self, num_samples: int, global_batch: int, shuffle: bool, drop_last: bool,
@@ -37,6 +42,7 @@ class GlobalBatchSampler:
         self.rank, self.world_size, self.rank_shares = rank, world_size, rank_shares
         self.epoch = 0
         self.start_batch = 0  # batches of this epoch already consumed (mid-epoch resume)
+        self._unclaimed: deque[tuple[int, list[int]]] = deque()  # (N, every rank's part) of batches handed out
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of `epoch` (Lightning calls this before each epoch)."""
@@ -55,11 +61,27 @@ class GlobalBatchSampler:
         else:
             order = torch.arange(self.num_samples)
         start, self.start_batch = self.start_batch, 0
+        self._unclaimed.clear()  # what an earlier pass handed out and nobody trained on (a shortened epoch)
         for b in range(start, len(self)):
             batch = order[b * self.global_batch:(b + 1) * self.global_batch]
             sizes = shard_sizes(len(batch), self.rank_shares or [1.0] * self.world_size)
+            self._unclaimed.append((len(batch), sizes))
             lo = sum(sizes[: self.rank])
             yield batch[lo:lo + sizes[self.rank]]
+
+    def claim_global_batch(self) -> tuple[int, list[int]]:
+        """(N, parts) of the oldest batch this pass handed out and nobody claimed yet: N the samples of the whole
+        global batch, parts[r] rank r's samples of it (sum N). Every rank computes the same pair from the same
+        seed, permutation and shares, so a training step needs no message to learn N.
+
+        Raises:
+            RuntimeError: If every batch handed out was claimed already (a step claimed twice, or a batch that did
+                not come from this sampler).
+        """
+        if not self._unclaimed:
+            raise RuntimeError("claim_global_batch: no batch of this sampler is waiting for its step (each batch "
+                               "handed out is claimed once, by the step that trains on it)")
+        return self._unclaimed.popleft()
 
 
 class TensorBatchLoader:

@@ -1,6 +1,11 @@
 """What keeps the replicas of several processes in step besides the gradient allreduce: the global batch's
 sample count, buffers, sync checks and auto-split rates.
 
+The global batch's size N costs no message when the training loader's sampler can say it
+(`src.data.loader.GlobalBatchSampler.claim_global_batch`): every rank derives it from the same seed and shares.
+Other loaders, and the first step of a fit and every logging step with any loader, add up the processes'
+counts (`count_global_batch`), an allreduce that also compares their optimizers.
+
 Each acts on local replica 0 of every process (the other local replicas are kept equal to it in-process) and
 packs a module's tensors into one flat buffer per dtype, so a step costs one collective per dtype instead of
 one per tensor.
@@ -28,7 +33,7 @@ def agreement_code(watch: Replica0Watch, optimizer: torch.optim.Optimizer) -> in
     replicas were last given (`watch`).
 
     Processes compare it with the step's sample count (`count_global_batch`): a callback that changed the optimizer
-    or froze parameters on some ranks only is refused there instead of exchanging mismatched buckets. crc32 of a
+    or froze parameters on some ranks only is refused there. crc32 of a
     canonical text, so every process computes the same code for the same state (Python's `hash` of strings differs
     between processes).
 
@@ -121,6 +126,41 @@ def gather_rates(local_rates: list[float], rank: int, world: int, device: torch.
     return t.tolist()
 
 
+def global_batch_claim(loader: Any) -> Callable[[], tuple[int, list[int]]] | None:
+    """How `loader` says a step's global batch without a message (its sampler's `claim_global_batch`), or None
+    for a loader that cannot (a plain DataLoader): the processes then count it (`count_global_batch`)."""
+    return getattr(getattr(loader, "sampler", None), "claim_global_batch", None)
+
+
+def known_global_batch(n: int, total: int, parts: list[int], rank: int, total_replicas: int,
+                       sync_batchnorm: bool) -> int:
+    """N, this step's global batch, as the loader's sampler recorded it: `total` samples, `parts[r]` on rank r.
+
+    Checks on every process alike what `count_global_batch` checks after its allreduce, from the same numbers.
+
+    Raises:
+        RuntimeError: If this process's batch of `n` samples is not the part the sampler recorded for `rank`
+            (the batch did not come from the sampler, or came in another order).
+        ValueError: If N is smaller than the P x K replicas, or, with `sync_batchnorm`, if a process got no sample.
+    """
+    if parts[rank] != n:
+        raise RuntimeError(f"split_allreduce: rank {rank}'s batch has {n} samples, but its training loader's sampler "
+                           f"handed out a part of {parts[rank]} for this step (of a global batch of {total}); "
+                           "the batch must come from that sampler, in its order")
+    check_enough_samples("a global batch of ", total, total_replicas)
+    idle = sum(1 for part in parts if part == 0)
+    if idle and sync_batchnorm:
+        raise _idle_error(total, idle)
+    return total
+
+
+def _idle_error(total: int, idle: int) -> ValueError:
+    """A global batch that left `idle` processes without a sample, which sync BatchNorm cannot run."""
+    return ValueError(f"a global batch of {total} left {idle} process(es) without a sample, and "
+                      "trainer.sync_batchnorm needs every process in every step: make split_weights "
+                      "less uneven or data.batch_size larger")
+
+
 def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_now: bool,
                        agreement: int = 0) -> Callable[[], int]:
     """N, the samples of this step's global batch, from this process's `n`: a function that returns it.
@@ -159,9 +199,7 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
                                "change on every rank")
         check_enough_samples("a global batch of ", total, total_replicas)
         if idle and wait_now:  # its BatchNorm layers would never meet the others'
-            raise ValueError(f"a global batch of {total} left {idle} process(es) without a sample, and "
-                             "trainer.sync_batchnorm needs every process in every step: make split_weights "
-                             "less uneven or data.batch_size larger")
+            raise _idle_error(total, idle)
         return total
 
     if wait_now:

@@ -7,6 +7,7 @@ gradient exchange, step the other replicas, sync buffers. The processes (launch,
 are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
 """
 
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from src.layout import ParallelLayout
-from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
+from src.run.lightning_compat import logging_step, should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.compression import Compression, CompressionSpec
@@ -31,7 +32,8 @@ from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
 from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, count_global_batch,
-                                         gather_rates, sync_buffers_between_processes_)
+                                         gather_rates, global_batch_claim, known_global_batch,
+                                         sync_buffers_between_processes_)
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet, sync_buffers_
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
@@ -126,6 +128,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         self.replica_set: ReplicaSet | None = None  # made at setup; kept after teardown, its replicas dropped
         self.exchange: GradientExchange | None = None  # made at train start; kept after fit (byte counts, buckets)
         self._followed = False  # optimizer_step followed replica 0 already, for the training_step in its closure
+        self._agreement_due = True  # the processes compare their optimizers at the next step (then at logging steps)
 
     # ---- where the replicas live, and what a user or a callback may read of them ---------------------------
     @property
@@ -227,6 +230,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
+        self._agreement_due = True
 
     def _follow_replica0(self, anew: bool = False) -> None:
         """Carry what changed on replica 0 to the other replicas; new `requires_grad` flags need a new exchange."""
@@ -321,19 +325,52 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             self._follow_replica0()
         self._followed = False
         n = batch_size_of(args[0])
-        if self.multi_process:  # N, the global batch's samples: a small allreduce that runs while the replicas do
-            count = count_global_batch(
-                n, self.root_device, self.total_replicas, wait_now=self.replica_set.sync_group is not None,
-                agreement=agreement_code(self.replica_set.watch, self.optimizers[0]))
+        if self.multi_process:  # N, the global batch's samples
+            count = self._global_batch_size(n)
         call = self._scatter("training_step", args, kwargs, n)  # scatter
         with self.precision_plugin.train_step_context():
             results = self._run_replicas(call)  # run the replicas
-        with phase("wait/global batch size"):
-            total = count() if self.multi_process else n
+        if not self.multi_process:
+            total = n
+        elif isinstance(count, int):  # the sampler said it
+            total = count
+        else:
+            with phase("wait/global batch size"):
+                total = count()
         if any(size and out is None for size, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
         with phase("gather"):
             return gather_losses(results, self.root_device, total)
+
+    def _global_batch_size(self, n: int) -> int | Callable[[], int]:
+        """N of this step's global batch, from this process's `n`: N, or a function that waits for it and returns it.
+
+        The training loader's sampler says N without a message, when it can (`global_batch_claim`). Otherwise, and
+        on the first step of a fit and at every logging step in any case, the processes add up their counts with
+        a small allreduce that runs while the replicas do; it also compares their optimizers (`agreement_code`)
+        and, where the sampler said N, checks that number. So ours makes no collective per step beyond DDP's
+        except one of 32 bytes at the logging steps (every `log_every_n_steps`).
+        """
+        trainer = self.lightning_module.trainer
+        sync_batchnorm = self.replica_set.sync_group is not None
+        claim = global_batch_claim(trainer.train_dataloader)
+        known = claim() if claim is not None else None
+        logging = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
+        if known is not None and not (logging or self._agreement_due):
+            return known_global_batch(n, *known, self.global_rank, self.total_replicas, sync_batchnorm)
+        self._agreement_due = False
+        count = count_global_batch(n, self.root_device, self.total_replicas, sync_batchnorm,
+                                   agreement=agreement_code(self.replica_set.watch, self.optimizers[0]))
+        if known is None:
+            return count
+
+        def counted_and_known() -> int:
+            counted = count()
+            if counted != known[0]:
+                raise RuntimeError(f"split_allreduce: the processes counted a global batch of {counted} samples, but "
+                                   f"the training loader's sampler recorded {known[0]}: the ranks' loaders differ")
+            return known_global_batch(n, *known, self.global_rank, self.total_replicas, sync_batchnorm)
+        return counted_and_known
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
