@@ -11,7 +11,8 @@ machine I on core I, 1 thread):
 
 * one core (1 process alone on core 0, 1 thread) at the global batch B and at B / 2, every round: images/s at B
   is the speedup's baseline, and the two step times give the predictor its compute (a line through them: fixed
-  seconds per step and seconds per image of one replica);
+  seconds per step and seconds per image of one replica; through the origin where the fixed part came out
+  negative, `compute_fit`);
 * every rate and layout in the lab, every round;
 
 each as the median step time of one epoch (`StepTimes` below, the first 5 steps left out), and
@@ -309,6 +310,23 @@ def sent_bytes(model: str, name: str) -> int:
     return compressed_bytes(inspect_network(config["class_path"], config.get("init_args")), compression, rank)[0]
 
 
+def compute_fit(batch: int, t_half: float, t_full: float) -> tuple[float, float, str]:
+    """The predictor's compute of one replica, (seconds per step, seconds per image, how it was fitted), from the
+    one-core step times at batch / 2 and at batch.
+
+    The line through the two points, unless its fixed cost comes out negative: no step takes less than nothing,
+    so such a line says that noise (a step at B / 2 slower than its share) outweighed the fixed cost, and the
+    compute is then the least-squares line through the origin and both points (fixed cost 0).
+    """
+    per_image = (t_full - t_half) / (batch / 2)
+    overhead = t_full - batch * per_image
+    if overhead >= 0:
+        return overhead, per_image, "the line through B / 2 and B"
+    sizes, times = (batch / 2, batch), (t_half, t_full)
+    per_image = sum(b * t for b, t in zip(sizes, times)) / sum(b * b for b in sizes)
+    return 0.0, per_image, f"through the origin: the line through B / 2 and B gave {overhead * 1e3:.1f} ms/step"
+
+
 def fit_sync(result: dict, overhead_s: float, seconds_per_image: float) -> tuple[float, list[str]]:
     """The share of compute the lab's steps add once there are 2 machines, fitted on the unshaped rows without
     overlap: median over them of (measured step - predicted exposed exchange) / predicted compute - 1, at least 0.
@@ -343,11 +361,11 @@ def print_table(result: dict, core_cost: dict[str, float] | None = None) -> None
     # the predictor's compute: a line through the median one-core step times at B / 2 and B
     t_full = statistics.median(batch / v for v in result["one_core"])
     t_half = statistics.median(batch / 2 / v for v in result["one_core_half"])
-    per_image = (t_full - t_half) / (batch / 2)
-    overhead = t_full - batch * per_image
+    overhead, per_image, how = compute_fit(batch, t_half, t_full)
     sync, fitted_on = fit_sync(result, overhead, per_image)
     print(f"\none core: {one:,.1f} images/s at batch {batch} (median of {len(result['one_core'])}); compute "
-          f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image; sync overhead {sync:.1%}, fitted on "
+          f"{overhead * 1e3:.2f} ms/step + {per_image * 1e3:.3f} ms/image ({how}); sync overhead {sync:.1%}, "
+          f"fitted on "
           f"the unshaped rows of {', '.join(fitted_on) or 'none (no unshaped rate measured: 0)'}\n")
     print("| link | layout | bytes per step | images/s | x one core | time / DDP's | step ms "
           "| exposed comm ms (hidden) | predicted step ms | predicted exposed comm ms (hidden) "

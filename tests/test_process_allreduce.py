@@ -14,7 +14,8 @@ from tests.helpers.runs import START_METHOD
 
 pytestmark = pytest.mark.slow  # starts processes of its own
 
-LENGTHS = (1, 2, 10, 1001, 4096)  # fewer elements than processes, uneven chunks, even chunks
+# fewer elements than processes, uneven chunks, even chunks, and chunks of several 1 MiB segments (4.8 MB of float64)
+LENGTHS = (1, 2, 10, 1001, 4096, 600_001)
 
 
 def _buffer(rank: int, n: int) -> torch.Tensor:
@@ -60,6 +61,8 @@ def test_ring_between_processes_equals_all_reduce_and_counts_its_bytes(world):
             ours, theirs, sent = got[(rank, n)]
             ours, theirs = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
             assert torch.allclose(ours, expected, rtol=0, atol=1e-12) and torch.allclose(theirs, expected, atol=1e-12)
+            if world == 2:  # one addition per element, a + b == b + a: bitwise the sum on both processes
+                assert torch.equal(ours, _buffer(0, n) + _buffer(1, n))
             # reduce-scatter sends chunks (r - s) mod P, all-gather chunks (r + 1 - s) mod P, s = 0 .. P-2
             chunks = [(rank - s) % world for s in range(world - 1)] + [(rank + 1 - s) % world for s in range(world - 1)]
             assert sent == sum(sizes[c] for c in chunks) * 8

@@ -4,9 +4,10 @@
 of workstations"), the algorithm NCCL and Horovod use: P - 1 reduce-scatter steps, then P - 1 all-gather steps,
 each step every process sending one chunk to its right neighbour and receiving one from its left
 (`dist.batch_isend_irecv`, which works on gloo and NCCL). Every process sends 2(P - 1) chunks of about N / P
-elements, 2(P - 1)/P of the buffer, whatever P: no process is a bottleneck. Two processes do it in one step,
-each sending the other its whole buffer (the same bytes, one message latency instead of two). `torch_allreduce_` is
-`dist.all_reduce`, the library's collective, as the reference to measure the ring against.
+elements, 2(P - 1)/P of the buffer, whatever P: no process is a bottleneck. Each step's chunk travels in
+segments, receives posted first and two sends in flight, as gloo's own ring does. Two processes do it in one
+step, each sending the other its whole buffer (the same bytes, one message latency instead of two).
+`torch_allreduce_` is `dist.all_reduce`, the library's collective, as the reference to measure the ring against.
 """
 
 import threading
@@ -23,26 +24,11 @@ from src.timeline.labels import phase
 
 
 
-def _exchange(send: Tensor, to: int, receive: Tensor, source: int, group: dist.ProcessGroup | None) -> None:
-    """Send `send` to global rank `to` while receiving `receive` from global rank `source`; wait for both.
-
-    The receive is posted first. gloo moves a message only once its receiver has announced the buffer, and the
-    announcement travels on the same connection as this process's own outgoing data: posted after the send, it
-    would queue behind that whole message, and on a link that binds the peer would start sending only after it,
-    so that the two directions take turns instead of running at once (measured between two emulated machines
-    with 100 Mbit/s links, docs/lab.md: 40 ms instead of 20 for each half of LeNet's gradient).
-    """
-    ops = []
-    if receive.numel():
-        ops.append(dist.P2POp(dist.irecv, receive, source, group))
-    if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, to, group))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-
-
 _scratch_space = threading.local()
+# A ring step's chunk travels in segments of at most this many bytes, two sends in flight (gloo's own ring keeps
+# two segments in flight too): a received segment is added while the next one arrives.
+SEGMENT_BYTES = 2**20
+SENDS_IN_FLIGHT = 2
 # Pieces of a two-process swap: small enough that adding one overlaps the transfer of the next, large enough
 # that a piece's own cost stays small next to its bytes.
 SWAP_PIECE_BYTES = 2**20
@@ -65,12 +51,56 @@ def _scratch(numel: int, like: Tensor) -> Tensor:
     return kept[key][:numel]
 
 
+def _segments(chunk: Tensor) -> list[Tensor]:
+    """`chunk` cut into views of at most `SEGMENT_BYTES` (at least two, so that one is added while the other
+    travels). Sender and receiver cut the same chunk, of the same size, into the same segments."""
+    count = max(2, -(-chunk.numel() * chunk.element_size() // SEGMENT_BYTES))
+    return [t for t in chunk.tensor_split(count) if t.numel()]
+
+
+def _ring_step_(send: Tensor, to: int, into: Tensor, source: int, group: dist.ProcessGroup | None,
+                add: bool) -> None:
+    """One step of the ring: send `send` to global rank `to` while receiving the same-sized chunk of `source`
+    into `into` (all-gather) or adding it into `into` (reduce-scatter, `add`), segment by segment.
+
+    Every receive is posted first: gloo moves a message only once its receiver has announced the buffer, and the
+    announcement travels on the same connection as this process's own outgoing data, so an announcement posted
+    after a send would queue behind it and the two directions would take turns instead of running at once
+    (measured between two emulated machines with 100 Mbit/s links, docs/lab.md: 40 ms instead of 20 for each
+    half of LeNet's gradient). Then the sends, `SENDS_IN_FLIGHT` at a time, and each received segment is added
+    once it has arrived. On NCCL, which runs a batch of point-to-point operations as one group, all of a step's
+    operations form one batch, receives first.
+    """
+    outgoing, incoming = _segments(send) if send.numel() else [], _segments(into) if into.numel() else []
+    landing = _scratch(into.numel(), into).split([t.numel() for t in incoming]) if add else incoming
+    if dist.get_backend(group) != "gloo":
+        ops = [dist.P2POp(dist.irecv, t, source, group) for t in landing]
+        ops += [dist.P2POp(dist.isend, t, to, group) for t in outgoing]
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+        if add:
+            for target, arrived in zip(incoming, landing):
+                target.add_(arrived)
+        return
+    received = [dist.irecv(t, source, group) for t in landing]
+    in_flight = [dist.isend(t, to, group) for t in outgoing[:SENDS_IN_FLIGHT]]
+    for i in range(max(len(landing), len(outgoing))):
+        if i < len(outgoing):
+            in_flight[i].wait()
+            if i + SENDS_IN_FLIGHT < len(outgoing):
+                in_flight.append(dist.isend(outgoing[i + SENDS_IN_FLIGHT], to, group))
+        if i < len(landing):
+            received[i].wait()
+            if add:
+                incoming[i].add_(landing[i])
+
+
 def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None) -> int:
     """The ring of two processes in one step: send the whole buffer to `peer` (its rank in `group`) while
     receiving its buffer, then add. Each process sends N elements, as the ring's two steps of N / 2 would; the
     sums are bitwise the same on both, since a + b == b + a in floating point.
 
-    The buffer travels in pieces of `SWAP_PIECE_BYTES`, all posted at once (receives first, as `_exchange` says
+    The buffer travels in pieces of `SWAP_PIECE_BYTES`, all posted at once (receives first, as `_ring_step_` says
     why), and each piece is added once it has arrived and its own send is done, while the later ones are still on
     their way.
 
@@ -106,14 +136,14 @@ def _swap_allreduce_(buffer: Tensor, peer: int, group: dist.ProcessGroup | None)
 def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> int:
     """Sum a 1-D buffer over the processes of `group` in place, with the ring algorithm.
 
-    Two processes swap whole buffers in one step and each adds what it received (`_swap_allreduce_`): the
-    ring's two half-buffer steps would move the same bytes each way but pay a message's latency twice. From three
-    processes on, the buffer is cut into P chunks whose sizes differ by at most one element
-    (`allreduce.ring_chunk_sizes`).
+    The buffer is cut into P chunks whose sizes differ by at most one element (`allreduce.ring_chunk_sizes`).
     Reduce-scatter step s (s = 0 .. P-2): rank r sends chunk (r - s) mod P to rank r + 1 and adds the chunk
     (r - s - 1) mod P it receives from rank r - 1 into its own; afterwards rank r holds the complete sum of
     chunk (r + 1) mod P. All-gather step s: rank r sends chunk (r + 1 - s) mod P to rank r + 1 and stores the
-    chunk (r - s) mod P it receives from rank r - 1. Chunks of 0 elements (N < P) are neither sent nor received.
+    chunk (r - s) mod P it receives from rank r - 1. Each step moves its chunk in segments (`_ring_step_`).
+    Chunks of 0 elements (N < P) are neither sent nor received. Two processes swap their whole buffers instead
+    (`_swap_allreduce_`): one message latency instead of the ring's two, and ahead of the two-phase ring of two
+    in every round between two emulated machines (benchmarks/README.md, "Two processes swap whole buffers").
 
     Args:
         buffer: (N,) tensor of any dtype torch.distributed can send, the same N and dtype on every process.
@@ -133,28 +163,20 @@ def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> i
     right, left = ((rank + 1) % world, (rank - 1) % world)
     if group is not None:  # point-to-point takes global ranks
         right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
-    scratch = _scratch(max(sizes), buffer)
     sent = 0
-    for s in range(world - 1):  # reduce-scatter
-        out, into = ring_step(rank, s, world, "reduce_scatter")
-        incoming = scratch[: sizes[into]]
-        _exchange(chunks[out], right, incoming, left, group)
-        chunks[into].add_(incoming)
-        sent += chunks[out].numel() * chunks[out].element_size()
-    for s in range(world - 1):  # all-gather
-        out, into = ring_step(rank, s, world, "all_gather")
-        _exchange(chunks[out], right, chunks[into], left, group)
-        sent += chunks[out].numel() * chunks[out].element_size()
+    for phase_name in ("reduce_scatter", "all_gather"):
+        for s in range(world - 1):
+            out, into = ring_step(rank, s, world, phase_name)
+            _ring_step_(chunks[out], right, chunks[into], left, group, add=phase_name == "reduce_scatter")
+            sent += chunks[out].numel() * chunks[out].element_size()
     return sent
 
 
 def ring_bytes(numel: int, element_size: int, world: int, rank: int) -> int:
     """Bytes rank `rank` of `world` processes sends in `ring_allreduce_` of a buffer of `numel` elements of
-    `element_size` bytes each: the whole buffer for two processes, else its 2(P - 1) chunks of the ring."""
+    `element_size` bytes each: its 2(P - 1) chunks of the ring (the whole buffer for two processes)."""
     if world == 1:
         return 0
-    if world == 2:
-        return numel * element_size
     sizes = ring_chunk_sizes(numel, world)
     chunks = [ring_step(rank, s, world, phase)[0] for phase in ("reduce_scatter", "all_gather")
               for s in range(world - 1)]
