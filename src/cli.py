@@ -25,7 +25,7 @@ from src.run.cleanup import register as register_process_group_cleanup
 from src.run.elastic import apply_launcher_layout, resolve_auto_checkpoint, weights_after_restart
 from src.run.errors import DEBUG_ENV, RaisingArgumentParser, check_config_files, describe
 from src.run.launch_checks import check_before_run
-from src.run.lightning_compat import give_lost_rank_reports_time
+from src.run.lightning_compat import fix_version_before_launch, give_lost_rank_reports_time
 from src.run.matmul_precision import choose as choose_matmul_precision
 from src.run.hparams_table import length_words
 from src.run.logger import RunLogger, run_hparams, run_tag
@@ -97,6 +97,7 @@ class CLI(LightningCLI):
                 callback.thread_choice = choice  # its restart line says which count the resumed run uses
         if isinstance(logger, RunLogger):
             logger.run_hparams["run/threads"] = choice.threads  # described above, before the count was chosen
+        fix_version_before_launch(self.trainer)  # after `--ckpt_path auto`, which may choose an existing one
 
     before_fit = before_validate = before_test = _check
 
@@ -168,6 +169,9 @@ class CLI(LightningCLI):
         # the path itself, not "best": LastCheckpoint is a second ModelCheckpoint, and Lightning warns that
         # "best" then means the first one's
         best = getattr(ckpt, "best_model_path", "") or None
+        for callback in self.trainer.callbacks:  # fit saved the run's config.yaml; with forked or spawned workers
+            if isinstance(callback, SaveConfigCallback):  # it did so in a worker, and this copy never heard of it
+                callback.already_saved = True
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best, weights_only=True)
         reports = [c for c in self.trainer.callbacks if isinstance(c, EpochReport)]
         images = f", {reports[0].test_images:,} test images" if reports else ""

@@ -125,3 +125,20 @@ def test_the_readme_shows_the_epoch_line_in_the_shape_a_run_prints():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     examples = [line for line in readme.splitlines() if line.startswith("epoch ")]
     assert examples and all(EPOCH_LINE.fullmatch(line) for line in examples), examples
+
+
+@pytest.mark.slow  # forks processes
+@pytest.mark.parametrize("overlay", ["configs/strategy/split_allreduce_processes.yaml",
+                                     "configs/strategy/ddp_cpu.yaml"])
+def test_forked_processes_and_the_test_after_fit_write_one_run(overlay, fast_args, tmp_path, caplog):
+    """With `start_method: fork` the launching process goes on after fit and runs the test stage: its run folder,
+    and the one its "run in" line names, is the one its forked workers trained in (not the next free version)."""
+    with caplog.at_level(logging.INFO):
+        main(["fit", *LENET, "--config", overlay, "--trainer.strategy.init_args.start_method", "fork", *fast_args,
+              "--test_after_fit", "true"])
+    [line] = _lines(caplog, "test acc ")
+    runs = sorted(p.relative_to(tmp_path / "logs") for p in (tmp_path / "logs" / "lenet").glob("*/version_*"))
+    assert len(runs) == 1, runs
+    assert line.endswith(f"run in {tmp_path / 'logs' / runs[0]}"), line
+    assert (tmp_path / "logs" / runs[0] / "checkpoints" / "last.ckpt").is_file()
+    assert "test/acc" in _scalars(tmp_path / "logs" / runs[0])  # the test stage wrote into the same run

@@ -121,6 +121,22 @@ def set_logger_version(logger: Any, version: str) -> None:
     logger._version = version
 
 
+def fix_version_before_launch(trainer: "pl.Trainer") -> None:
+    """Choose the run's folder (the logger's next free `version_N`) in the process that starts the others when they
+    are forked or spawned from it (`start_method: fork` or `spawn`, Lightning's multiprocessing launcher).
+
+    The workers then inherit the choice, and the launching process, which goes on after fit (the test stage of
+    `--test_after_fit`, the line that says where the run went), names the folder they wrote. Left to itself it
+    would pick its version only after fit, when its workers had already taken that one. TensorBoardLogger picks
+    its version at the first read of `version` and keeps it; the launcher's class is Lightning's private one.
+    """
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    if isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
+        for logger in trainer.loggers:
+            _ = logger.version
+
+
 def give_lost_rank_reports_time(seconds: int = 30) -> None:
     """Make the DDP launcher's child-process observer wait `seconds` between checks instead of 5.
 

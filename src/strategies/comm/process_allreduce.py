@@ -142,8 +142,8 @@ def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> i
     chunk (r + 1) mod P. All-gather step s: rank r sends chunk (r + 1 - s) mod P to rank r + 1 and stores the
     chunk (r - s) mod P it receives from rank r - 1. Each step moves its chunk in segments (`_ring_step_`).
     Chunks of 0 elements (N < P) are neither sent nor received. Two processes swap their whole buffers instead
-    (`_swap_allreduce_`): one message latency instead of the ring's two, and ahead of the two-phase ring of two
-    in every round between two emulated machines (benchmarks/README.md, "Two processes swap whole buffers").
+    (`_swap_allreduce_`): one message latency instead of the ring's two, and ahead of a two-phase ring of two at
+    every link rate between two emulated machines (benchmarks/README.md, "Ours against DDP").
 
     Args:
         buffer: (N,) tensor of any dtype torch.distributed can send, the same N and dtype on every process.
