@@ -349,14 +349,14 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         on the first step of a fit and at every logging step in any case, the processes add up their counts with
         a small allreduce that runs while the replicas do; it also compares their optimizers (`agreement_code`)
         and, where the sampler said N, checks that number. So ours makes no collective per step beyond DDP's
-        except one of 32 bytes at the logging steps (every `log_every_n_steps`).
+        except one of 32 bytes on the first step and at the logging steps (every `log_every_n_steps`).
         """
         trainer = self.lightning_module.trainer
         sync_batchnorm = self.replica_set.sync_group is not None
         claim = global_batch_claim(trainer.train_dataloader)
         known = claim() if claim is not None else None
-        logging = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
-        if known is not None and not (logging or self._agreement_due):
+        at_logging_step = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
+        if known is not None and not (at_logging_step or self._agreement_due):
             return known_global_batch(n, *known, self.global_rank, self.total_replicas, sync_batchnorm)
         self._agreement_due = False
         count = count_global_batch(n, self.root_device, self.total_replicas, sync_batchnorm,
