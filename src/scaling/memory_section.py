@@ -123,9 +123,9 @@ def markdown_section(plan: MemoryPlan, devices: Sequence[int]) -> list[str]:
     is left out and, with a memory limit, the answer lines."""
     lines = ["## Model-state memory per device", "",
              f"Predicted from the parameter count, not measured. {assumptions(plan)}. Formulas of ZeRO "
-             "(Rajbhandari et al., SC 2020, arXiv:1910.02054, section 5): stages 0 to 2 are those of this "
-             "project's strategy and DeepSpeed's `zero_optimization.stage`; stage 3 is FSDP's FULL_SHARD "
-             "(DeepSpeed's stage 3). A partition holds ceil(Ψ / devices) elements. GiB = 2^30 bytes.", "",
+             "(Rajbhandari et al., SC 2020, arXiv:1910.02054, section 5): stage 0 is DDP's and this "
+             "project's strategy's, stages 1 to 3 those of DeepSpeed's `zero_optimization.stage`; stage 3 is "
+             "FSDP's FULL_SHARD. A partition holds ceil(Ψ / devices) elements. GiB = 2^30 bytes.", "",
              "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
     lines += [f"| {d} | " + " | ".join(f"{g:.4g}" for g in stage_gib(plan, d)) + " |" for d in devices]
     lines += ["", _LEFT_OUT]
