@@ -4,7 +4,8 @@
 * `predictor`: `python -m src.forecast`, images/s and efficiency predicted for 1 to thousands of devices, from
   `cost_model` (the step-time formulas) and `cost_fit` (fits to measurements, ranges), both pure Python,
   `hardware` (presets with sources), `model_counts` (what is counted from the model), `sources` (where each number
-  comes from), `forecast_files` (its markdown, CSV and PNG) and `version_folders`
+  comes from), `memory` (model-state bytes per device under the ZeRO stages, pure Python) with `memory_section`
+  (its part of the forecast), `forecast_files` (its markdown, CSV and PNG) and `version_folders`
   (each forecast in a `version_N` folder of its own).
 * `calibrate`: `python -m src.forecast --calibrate`, timings of this machine into `calibration/*.json`.
 

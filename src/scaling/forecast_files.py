@@ -15,7 +15,7 @@ from src.scaling.cost_fit import BandPrediction
 
 @dataclass
 class Row:
-    """One line of forecast.csv: a `StepPrediction` in milliseconds, plus seconds per epoch.
+    """One line of forecast.csv: a `StepPrediction` in milliseconds, plus seconds per epoch and the model state.
 
     Args:
         algorithm: Allreduce algorithm.
@@ -35,6 +35,12 @@ class Row:
         efficiency_high: Efficiency at the optimistic end of the range.
         images_per_s_low: Images/s at the pessimistic end.
         images_per_s_high: Images/s at the optimistic end.
+        model_state_gib_stage0: Parameters, gradients and optimizer state per device, GiB (2**30 bytes), at ZeRO
+            stage 0 (plain data parallelism) on this many devices (`src.scaling.memory`; the same for every
+            algorithm).
+        model_state_gib_stage1: The same with the optimizer state partitioned (ZeRO stage 1).
+        model_state_gib_stage2: The same with optimizer state and gradients partitioned (ZeRO stage 2).
+        model_state_gib_stage3: The same with the parameters partitioned too (ZeRO stage 3, FSDP FULL_SHARD).
     """
 
     algorithm: str
@@ -54,20 +60,32 @@ class Row:
     efficiency_high: float
     images_per_s_low: float
     images_per_s_high: float
+    model_state_gib_stage0: float
+    model_state_gib_stage1: float
+    model_state_gib_stage2: float
+    model_state_gib_stage3: float
 
 
-def forecast_row(band: BandPrediction, epoch_images: int) -> Row:
-    """The row of a prediction and its range; an epoch is ceil(epoch_images / global batch) steps."""
+def forecast_row(band: BandPrediction, epoch_images: int, model_state_gib: Sequence[float]) -> Row:
+    """The row of a prediction and its range; an epoch is ceil(epoch_images / global batch) steps.
+
+    Args:
+        band: The prediction and its range.
+        epoch_images: Training images per epoch.
+        model_state_gib: Model state per device at ZeRO stages 0 to 3 on the band's devices, GiB
+            (`src.scaling.memory_section.stage_gib`).
+    """
     p = band.point
     steps = math.ceil(epoch_images / p.global_batch)
     return Row(p.algorithm, p.devices, p.nodes, p.global_batch, p.images_per_replica, p.compute_s * 1e3,
                p.exchange_s * 1e3, p.hidden_s * 1e3, p.step_s * 1e3, steps * p.step_s, p.images_per_s, p.speedup,
                p.efficiency, band.low.efficiency, band.high.efficiency, band.low.images_per_s,
-               band.high.images_per_s)
+               band.high.images_per_s, *model_state_gib)
 
 
-def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, measured_from: str = "") -> Path:
-    """Write forecast.md: the table, then every input with its provenance.
+def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, measured_from: str = "",
+                   sections: Sequence[str] = ()) -> Path:
+    """Write forecast.md: the table, then every input with its provenance, then `sections`.
 
     Args:
         rows: The predictions.
@@ -75,6 +93,7 @@ def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, mea
         out: Folder to write into (it exists).
         title: Heading.
         measured_from: Folder of the scaling report whose points the plot shows, or "" for none.
+        sections: Markdown lines appended at the end (the model-state memory's section).
 
     Returns:
         The file's path.
@@ -97,6 +116,8 @@ def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, mea
     lines += ["", "## Inputs and assumptions", "", *[f"- {n}" for n in notes]]
     if measured_from:
         lines += ["", f"Measured points drawn on the plot: {measured_from}/scaling.csv"]
+    if sections:
+        lines += ["", *sections]
     (out / ".forecast.md.tmp").write_text("\n".join(lines) + "\n")
     os.replace(out / ".forecast.md.tmp", out / "forecast.md")
     return out / "forecast.md"

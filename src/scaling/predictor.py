@@ -31,6 +31,9 @@ from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
 from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
                                    shaped)
+from src.scaling.memory import OPTIMIZER_STATES
+from src.scaling.memory import PRECISIONS as MEMORY_PRECISIONS
+from src.scaling.memory_section import MemoryPlan, answer_lines, assumptions, markdown_section, memory_plan, stage_gib
 from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.report import newest_report
@@ -82,6 +85,15 @@ class Question:
         min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor.
         compression_ratio: Bytes sent / uncompressed bytes, instead of counting them (needed for powersgd with
             --network_params), e.g. 0.027 for LeNet at rank 2.
+        optimizer: Optimizer whose state the model-state memory counts: sgd (no state), sgd_momentum (one tensor
+            per parameter), adam or adamw (two). Default: the config's model.init_args (sgd with momentum > 0 is
+            sgd_momentum); adam with --network_params.
+        memory_precision: Bytes per element of the model-state memory: fp32 (4 for parameters, gradients and each
+            optimizer state tensor; also autocast's 16-mixed and bf16-mixed, which keep float32 weights and
+            gradients), mixed (the ZeRO paper's mixed precision: 2, 2, a 4-byte master copy + 4 per state tensor)
+            or fp64 (8 each). Default: fp64 when the config trains in 64-true, else fp32.
+        memory_gib: Device memory in GiB (2**30 bytes) the model state must fit into: the forecast then says,
+            per ZeRO stage, from how many devices it fits.
     """
 
     config: str = "configs/lenet.yaml"
@@ -100,6 +112,9 @@ class Question:
     powersgd_rank: int = 2
     min_compression_rate: float = 2.0
     compression_ratio: float | None = None
+    optimizer: Literal[tuple(OPTIMIZER_STATES)] | None = None
+    memory_precision: Literal[MEMORY_PRECISIONS] | None = None
+    memory_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +180,9 @@ def _check(question: Question) -> None:
         raise ValueError(f"--measured_images_per_s must be > 0, got {question.measured_images_per_s}")
     if question.grad_bytes < 1:
         raise ValueError(f"--grad_bytes must be >= 1, got {question.grad_bytes}")
+    if question.memory_gib is not None and not question.memory_gib > 0:
+        raise ValueError(f"--memory_gib must be > 0 (the memory of one device in GiB, e.g. 80 for an 80 GB H100), "
+                         f"got {question.memory_gib}")
     if question.nodes is not None:
         uneven = [d for d in question.devices if question.nodes < 1 or d % question.nodes]
         if uneven:
@@ -226,6 +244,7 @@ class Forecast:
         batch: The batch size (per device or global, per the question's batch mode).
         epoch_images: Training images per epoch.
         precision: The line saying which precision the one-device step has and why (also in `notes`).
+        memory: What the model-state memory per device is computed for.
     """
 
     bands: list[BandPrediction]
@@ -235,6 +254,7 @@ class Forecast:
     batch: int
     epoch_images: int
     precision: str = ""
+    memory: MemoryPlan | None = None
 
 
 def predict(question: Question = Question(), user: Overrides = Overrides(),
@@ -275,6 +295,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     bands = [predict_band(Job(a, d, batch, question.batch_mode, compute, sent, node_size(d), messages), achieved,
                           line, overlap, bounds) for a in question.algorithms for d in question.devices]
     custom = question.network_params is not None
+    memory = _memory(question, net.parameters)
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
     user_step = question.measured_images_per_s is not None or (user.seconds_per_image is not None
                                                                and user.overhead_s is not None)
@@ -295,7 +316,13 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         _sync_note(user.sync_overhead, question.precision, bounds),
         _EXCHANGE_NOTE,
     ]
-    return Forecast(bands, notes, net, model, batch, epoch_images, precision)
+    return Forecast(bands, notes, net, model, batch, epoch_images, precision, memory)
+
+
+def _memory(question: Question, parameters: int) -> MemoryPlan:
+    """The model-state memory plan: the options given, the rest from the config (none with --network_params)."""
+    cfg = None if question.network_params is not None else _experiment(question.config)
+    return memory_plan(parameters, question.optimizer, question.memory_precision, question.memory_gib, cfg)
 
 
 def _network_and_batch(question: Question, user: Overrides) -> tuple[Network, int, int]:
@@ -350,15 +377,18 @@ _JITTER_NOTE = (f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%
 _EXCHANGE_NOTE = ("exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring "
                   "across nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no "
                   "overlap and the upper jitter and sync bounds, its high end line rates, full overlap and the lower "
-                  "bounds; network congestion, tree / NVLS algorithms and memory limits are not modelled")
+                  "bounds; network congestion, tree / NVLS algorithms and memory limits are not modelled (the model "
+                  "state per device has its own section)")
 
 
 def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
     """Predict images/s and efficiency of `question.config` on its hardware for each device count and algorithm.
 
     Prints one line per prediction (ms/step, images/s, efficiency), then the precision of the one-device step
-    (`src.scaling.step_precision.precision_line`), and writes forecast.md, forecast.csv and
-    forecast.png into a new <out>/<model>/version_N/ (nothing is written if an input is bad).
+    (`src.scaling.step_precision.precision_line`), with --memory_gib the fewest devices whose model state fits
+    per ZeRO stage (`src.scaling.memory_section.answer_lines`), and writes forecast.md (with the model-state
+    memory per device), forecast.csv and forecast.png into a new <out>/<model>/version_N/ (nothing is written if
+    an input is bad).
 
     Args:
         question: Config, hardware preset, device counts, algorithms and batch.
@@ -370,24 +400,31 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
 
     Raises:
         ValueError: Unknown preset or link (the valid ones are listed), a device count < 1, a batch size < 1,
-            a missing calibration file (with the command that makes it), or a config without a model.
+            a missing calibration file (with the command that makes it), a config without a model, a
+            --memory_gib that is not > 0, or a config optimizer of unknown state size.
     """
     result = predict(question, user, paths)
     preset = hardware_preset(question.hardware)
-    rows = [forecast_row(b, result.epoch_images) for b in result.bands]
+    rows = [forecast_row(b, result.epoch_images, stage_gib(result.memory, b.point.devices)) for b in result.bands]
     root = next_version(Path(paths.out) / result.model)
     root.mkdir(parents=True)
     custom = question.network_params is not None
     measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / result.model,
                                                                        "cpu" if preset.device == "cpu" else "gpu")
     title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
-    write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "")
+    write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "",
+                   markdown_section(result.memory, question.devices))
     write_csv(rows, root)
     write_plot(rows, root, title, measured)
     for r in rows:
         print(f"{r.algorithm:>16} {r.devices:>6} devices: {r.step_ms:9.3f} ms/step, {r.images_per_s:>13,.0f} "
               f"images/s, efficiency {r.efficiency:.3f} (range {r.efficiency_low:.3f} to {r.efficiency_high:.3f})")
     print(result.precision)
+    answers = answer_lines(result.memory)
+    if answers:
+        print(f"model state per device (activations, buffers and fragmentation not included): "
+              f"{assumptions(result.memory)}")
+        print("\n".join(answers))
     print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png")
     return root
 

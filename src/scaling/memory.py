@@ -1,0 +1,158 @@
+"""Model-state memory per device under the ZeRO stages: parameters, gradients and optimizer state, in bytes.
+
+Pure arithmetic: it loads neither torch nor Lightning. The formulas are those of Rajbhandari, Rasley, Ruwase & He,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020 (arXiv:1910.02054), section 5 and
+Figure 1, for a model of Ψ parameters on N data-parallel devices with p, g and k bytes per element of parameters,
+gradients and optimizer state:
+
+    stage 0 (plain data parallelism)                    (p + g + k)·Ψ
+    stage 1 (optimizer state partitioned)               (p + g)·Ψ + k·Ψ/N
+    stage 2 (optimizer state and gradients)             p·Ψ + (g + k)·Ψ/N
+    stage 3 (parameters too: FSDP's FULL_SHARD)         (p + g + k)·Ψ/N
+
+The paper's mixed-precision Adam has p = g = 2 and k = K = 12 (float32 master weights, momentum and variance).
+Activations, temporary buffers and allocator fragmentation are not model state and are not counted.
+"""
+
+from dataclasses import dataclass
+
+STAGES = (0, 1, 2, 3)
+# optimizer state tensors of the size of the parameters, per optimizer (torch.optim): SGD's momentum buffer;
+# Adam's and AdamW's exp_avg and exp_avg_sq (their per-tensor `step` counters are scalars, left out)
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+PRECISIONS = ("fp32", "mixed", "fp64")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class BytesPerElement:
+    """Bytes per parameter element that each part of the model state takes.
+
+    Args:
+        params: Bytes of the parameters (p).
+        grads: Bytes of the gradients (g).
+        optimizer: Bytes of the optimizer state (k), master weights included.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+
+
+def bytes_per_element(optimizer: str, precision: str) -> BytesPerElement:
+    """The bytes per parameter element of parameters, gradients and optimizer state.
+
+    "fp32": 4, 4 and 4 per optimizer state tensor (also what PyTorch's autocast, Lightning's 16-mixed and
+    bf16-mixed keep: float32 weights and gradients). "mixed": the ZeRO paper's mixed-precision training (section
+    3.1): 2, 2 and a float32 master copy of the weights, 4, plus 4 per state tensor (Adam: K = 12). "fp64": 8 each.
+
+    Args:
+        optimizer: A key of `OPTIMIZER_STATES` (sgd, sgd_momentum, adam, adamw).
+        precision: One of `PRECISIONS` (fp32, mixed, fp64).
+
+    Returns:
+        The bytes per element, integers.
+
+    Raises:
+        ValueError: An unknown optimizer or precision (the valid ones are named).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
+    states = OPTIMIZER_STATES[optimizer]
+    if precision == "fp32":
+        return BytesPerElement(4, 4, 4 * states)
+    if precision == "mixed":
+        return BytesPerElement(2, 2, 4 + 4 * states)
+    if precision == "fp64":
+        return BytesPerElement(8, 8, 8 * states)
+    raise ValueError(f"unknown memory precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+
+
+def _split(stage: int, sizes: BytesPerElement) -> tuple[int, int]:
+    """(bytes per element every device keeps whole, bytes per element partitioned over the devices) at `stage`."""
+    p, g, k = sizes.params, sizes.grads, sizes.optimizer
+    splits = {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}
+    if stage not in splits:
+        raise ValueError(f"unknown ZeRO stage {stage}; choose from {', '.join(map(str, STAGES))}")
+    return splits[stage]
+
+
+def model_state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElement) -> int:
+    """Bytes of model state on the fullest device: ZeRO (arXiv:1910.02054, section 5, Figure 1).
+
+    A partitioned part holds ceil(Ψ / N) elements per device, the largest partition when N does not divide Ψ
+    (the paper writes Ψ/N); nothing else (activations, buffers, fragmentation) is counted.
+
+    Args:
+        parameters: Ψ, the trainable parameters (elements), >= 1.
+        devices: N, the data-parallel devices, >= 1.
+        stage: ZeRO stage, 0 to 3.
+        sizes: Bytes per element (`bytes_per_element`).
+
+    Returns:
+        Bytes per device, an integer.
+
+    Raises:
+        ValueError: Ψ or N below 1, or an unknown stage.
+    """
+    if parameters < 1 or devices < 1:
+        raise ValueError(f"parameters and devices must be >= 1, got {parameters} and {devices}")
+    whole, partitioned = _split(stage, sizes)
+    return whole * parameters + partitioned * -(-parameters // devices)
+
+
+def fewest_devices(parameters: int, stage: int, sizes: BytesPerElement, limit_bytes: float) -> int | None:
+    """The fewest devices N whose model state per device (`model_state_bytes`) is at most `limit_bytes`.
+
+    The bytes never grow with N and stop falling at N = Ψ (one element per device), so a bisection over 1..Ψ
+    answers exactly, with no cap on N.
+
+    Args:
+        parameters: Ψ, the trainable parameters, >= 1.
+        stage: ZeRO stage, 0 to 3.
+        sizes: Bytes per element.
+        limit_bytes: Memory per device in bytes (> 0); state of exactly this size fits.
+
+    Returns:
+        N, or None when no device count fits (stage 0 whenever one device does not).
+
+    Raises:
+        ValueError: Ψ below 1, a limit that is not > 0, or an unknown stage.
+    """
+    if not limit_bytes > 0:
+        raise ValueError(f"the memory limit must be > 0 bytes, got {limit_bytes}")
+    if model_state_bytes(parameters, parameters, stage, sizes) > limit_bytes:
+        return None
+    low, high = 1, parameters  # high always fits
+    while low < high:
+        middle = (low + high) // 2
+        if model_state_bytes(parameters, middle, stage, sizes) <= limit_bytes:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def never_fits_reason(parameters: int, stage: int, sizes: BytesPerElement, limit_bytes: float) -> str:
+    """Why no device count brings `stage`'s model state down to `limit_bytes`: the part kept whole on every device.
+
+    Args:
+        parameters: Ψ, the trainable parameters, >= 1.
+        stage: ZeRO stage, 0 to 3.
+        sizes: Bytes per element.
+        limit_bytes: Memory per device in bytes.
+
+    Returns:
+        A clause such as "it keeps the 23.21 GiB of parameters, gradients and optimizer state whole on every
+        device, over the limit whatever the count" (GiB = 2**30 bytes).
+
+    Raises:
+        ValueError: An unknown stage.
+    """
+    whole, _ = _split(stage, sizes)
+    if stage == 3:
+        least = model_state_bytes(parameters, parameters, stage, sizes)
+        return f"even one element per device ({parameters:,} devices) takes {least} bytes"
+    kept = {0: "parameters, gradients and optimizer state", 1: "parameters and gradients", 2: "parameters"}[stage]
+    over = "over the limit" if whole * parameters > limit_bytes else "too close to the limit for its partitioned part"
+    return f"it keeps the {whole * parameters / GIB:.4g} GiB of {kept} whole on every device, {over} whatever the count"
