@@ -44,6 +44,7 @@ def test_a_default_step_of_ours_runs_in_at_most_9_files_which_the_code_map_lists
 @pytest.mark.parametrize("option, override", [
     ("overlap: true", "--trainer.strategy.init_args.overlap=true"),
     ("split_weights: auto", "--trainer.strategy.init_args.split_weights=auto"),  # fixed at step 5, in the window
+    ("zero_stage: 1 | 2", "--trainer.strategy.init_args.zero_stage=1"),
 ])
 def test_the_code_map_says_what_an_in_process_option_adds(fast_args, option, override):
     added = traced_step_files(fast_args, override) - walk_in_code_map()

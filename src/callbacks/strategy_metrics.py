@@ -18,11 +18,15 @@ class StrategyMetrics(pl.Callback):
     replica's gradient norm before the allreduce), and once, when `split_weights: auto` has fixed them,
     `split/weight_replica_k` (also printed, with each replica's measured images/s). Under
     `CompressedDDPStrategy` with a compression, the same two `comm/bytes_*` figures, from its hook's count of the
-    tensors it handed to allreduce. Under compression the epoch line names them too (`epoch_words`).
+    tensors it handed to allreduce. Under compression the epoch line names them too (`epoch_words`). Under ours
+    with several replicas, the model state each replica holds (the largest of this process's replicas, bytes):
+    `memory/parameters_bytes`, `memory/gradients_peak_bytes` (in the step), `memory/optimizer_state_bytes`; with
+    `zero_stage` these are also printed once, after the first step.
     """
 
     def __init__(self) -> None:
         self._split_logged = False
+        self._memory_printed = False
         self._last_step = -1
         self._strategy = None
 
@@ -64,6 +68,10 @@ class StrategyMetrics(pl.Callback):
                 metrics["comm/buckets_reduced_in_backward"] = float(exchange.reduced_in_backward)
             for k, norm in enumerate(exchange.grad_norms if exchange is not None else []):
                 metrics[f"grad_norm/replica_{k}"] = norm
+            metrics.update(_memory_metrics(strategy))
+        if strategy.zero_stage and not self._memory_printed and strategy.model_state_bytes():
+            self._memory_printed = True
+            rank_zero_info(_memory_line(strategy))
         if strategy.split_fixed_at_step is not None and not self._split_logged:
             self._split_logged = True
             weights = strategy.split_weights
@@ -93,3 +101,25 @@ def _compression_bytes(strategy: object) -> tuple[str, int, int] | None:
     if compression.name == "powersgd" and not compression.compressing:
         words += " (warm-up: exact)"
     return words, max(exchange.bytes_sent), max(exchange.bytes_uncompressed)
+
+
+def _memory_metrics(strategy: SplitAllreduceStrategy) -> dict[str, float]:
+    """The largest replica's model-state bytes, as TensorBoard scalars (none before the first step)."""
+    held = strategy.model_state_bytes()
+    if not held:
+        return {}
+    return {"memory/parameters_bytes": float(max(r["parameters"] for r in held)),
+            "memory/gradients_peak_bytes": float(max(r["gradients"] for r in held)),
+            "memory/optimizer_state_bytes": float(max(r["optimizer_state"] for r in held))}
+
+
+def _memory_line(strategy: SplitAllreduceStrategy) -> str:
+    """E.g. "split_allreduce zero_stage 1, 2 replicas: each holds at most parameters 0.47 MiB, gradients 0.47 MiB
+    (0.24 MiB at the update), optimizer state 0.24 MiB"."""
+    held = strategy.model_state_bytes()
+
+    def mib(key: str) -> str:
+        return f"{max(r[key] for r in held) / 2**20:.3g} MiB"
+    return (f"split_allreduce zero_stage {strategy.zero_stage}, {len(held)} replicas: each holds at most parameters "
+            f"{mib('parameters')}, gradients {mib('gradients')} ({mib('gradients_at_update')} at the update), "
+            f"optimizer state {mib('optimizer_state')}")

@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from src.run.lightning_compat import logging_step
 from src.sharding import check_enough_samples
 from src.strategies.comm.gradient_exchange import copy_back_, flatten
-from src.strategies.replicas import Replica0Watch, ReplicaDesyncError
+from src.strategies.replicas import Replica0Watch, ReplicaDesyncError, sync_buffers_
+from src.timeline.labels import phase
 
 
 AGREEMENT_BITS = 20  # the per-step code compared between processes (see `agreement_code`)
@@ -207,3 +209,49 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
         return lambda: total
     return result
 
+
+
+def global_batch_size(trainer: Any, n: int, rank: int, total_replicas: int, device: torch.device,
+                      sync_batchnorm: bool, agreement_due: bool,
+                      agreement: Callable[[], int]) -> tuple[int | Callable[[], int], bool]:
+    """N of this step's global batch, from this process's `n`: N, or a function that waits for it and returns it.
+
+    The training loader's sampler says N without a message, when it can (`global_batch_claim`). Otherwise, and on
+    the first step of a fit (`agreement_due`) and at every logging step in any case, the processes add up their
+    counts with a small allreduce that runs while the replicas do; it also compares their optimizers
+    (`agreement()`, an `agreement_code`) and, where the sampler said N, checks that number. So ours makes no
+    collective per step beyond DDP's except one of 32 bytes on the first step and at the logging steps (every
+    `log_every_n_steps`).
+
+    Returns:
+        (N or the function that waits for it, whether the agreement is still due).
+
+    Raises:
+        RuntimeError: From the function, when the processes counted another N than the sampler recorded.
+    """
+    claim = global_batch_claim(trainer.train_dataloader)
+    known = claim() if claim is not None else None
+    at_logging_step = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
+    if known is not None and not (at_logging_step or agreement_due):
+        return known_global_batch(n, *known, rank, total_replicas, sync_batchnorm), agreement_due
+    count = count_global_batch(n, device, total_replicas, sync_batchnorm, agreement=agreement())
+    if known is None:
+        return count, False
+
+    def counted_and_known() -> int:
+        counted = count()
+        if counted != known[0]:
+            raise RuntimeError(f"split_allreduce: the processes counted a global batch of {counted} samples, but the "
+                               f"training loader's sampler recorded {known[0]}: the ranks' loaders differ")
+        return known_global_batch(n, *known, rank, total_replicas, sync_batchnorm)
+    return counted_and_known, False
+
+
+def sync_every_buffer_(replicas: list[nn.Module], mode: str, multi_process: bool) -> None:
+    """Make BatchNorm running statistics equal (`mode`: "broadcast" or "mean"): among this process's replicas, then
+    between the processes' replica 0s, and back to the other local replicas."""
+    with phase("sync buffers"):
+        sync_buffers_(replicas, mode)
+        if multi_process:
+            sync_buffers_between_processes_(replicas[0], mode)
+            sync_buffers_(replicas, "broadcast")

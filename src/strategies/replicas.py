@@ -304,10 +304,12 @@ class ReplicaSet:
         trainer: The Trainer; each copy is attached to it, so that its `self.log` reaches the same results.
         sync_batchnorm: Turn the replicas' BatchNorm layers into one synchronised group (`trainer.sync_batchnorm`).
         across_processes: Whether the job has several processes (synchronised BatchNorm then spans them).
+        partitioned: The replicas update partitions of the parameters (`src.strategies.zero`), not whole copies: no
+            copies of the optimizer are made.
     """
 
     def __init__(self, replica0: "pl.LightningModule", devices: list[torch.device], trainer: "pl.Trainer",
-                 sync_batchnorm: bool, across_processes: bool) -> None:
+                 sync_batchnorm: bool, across_processes: bool, partitioned: bool = False) -> None:
         self.modules = [replica0, *(clone_replica(replica0, device) for device in devices[1:])]
         for replica in self.modules[1:]:
             replica.trainer = trainer
@@ -316,6 +318,7 @@ class ReplicaSet:
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
         self._copies: list[Optimizer] = []  # replicas 1..K-1's optimizers
         self.watch: Replica0Watch | None = None  # what the copies were built from
+        self.partitioned = partitioned
 
     def follow(self, optimizers: list[Optimizer], anew: bool = False) -> bool:
         """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
@@ -328,7 +331,8 @@ class ReplicaSet:
 
         Returns:
             Whether the `requires_grad` flags changed (always True when `anew`): the gradient exchange, whose
-            overlap hooks sit on the parameters that require a gradient, must then be made again.
+            overlap hooks sit on the parameters that require a gradient, must then be made again. When
+            `partitioned`, also whether the optimizer changed: the partitions are then made again.
 
         Raises:
             RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
@@ -339,13 +343,15 @@ class ReplicaSet:
             self.watch = Replica0Watch(self.modules)
         self.watch.check_parameters()
         trainable_changed = self.watch.follow_trainable()
-        if self.watch.optimizer_changed(optimizers[0], self._copies):
+        optimizer_changed = self.watch.optimizer_changed(optimizers[0], self._copies)
+        if optimizer_changed:
             self._clone(optimizers[0])
-        return trainable_changed
+        return trainable_changed or (optimizer_changed and self.partitioned)
 
     def _clone(self, optimizer: Optimizer) -> None:
         self.watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
-        self._copies = [clone_optimizer(optimizer, self.modules[0], r) for r in self.modules[1:]]
+        if not self.partitioned:
+            self._copies = [clone_optimizer(optimizer, self.modules[0], r) for r in self.modules[1:]]
 
     def run(self, call: ShardedCall, step_context: Callable[[], Any], timed: bool) -> tuple[list[Any], list[float]]:
         """`call.hook` of every replica on its shard, then their metrics merged into replica 0's.
@@ -377,6 +383,17 @@ class ReplicaSet:
             self._clone(optimizers[0])
         else:
             step_other_replicas_(optimizers[0], self.modules, self._copies, clipped)
+
+    def held_bytes(self, optimizer: Optimizer, gradient_bytes: list[int]) -> list[dict[str, int]]:
+        """Per replica, what each holds whole (no partitions): its parameters' bytes, `gradient_bytes` (its gradients
+        after the last backward, `GradientExchange.gradient_bytes`) at the peak and when its update ran, and its
+        copy of the optimizer state (replica 0's is `optimizer`)."""
+        optimizers = [optimizer, *self._copies]
+        return [{"parameters": sum(p.numel() * p.element_size() for p in replica.parameters()),
+                 "gradients": grads, "gradients_at_update": grads,
+                 "optimizer_state": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                                        if torch.is_tensor(t))}
+                for replica, opt, grads in zip(self.modules, optimizers, gradient_bytes or [0] * len(self.modules))]
 
     def check_in_sync(self, step: int) -> None:
         """Check every replica is bitwise equal to replica 0.

@@ -7,7 +7,6 @@ gradient exchange, step the other replicas, sync buffers. The processes (launch,
 are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
 """
 
-from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -21,7 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from src.layout import ParallelLayout
-from src.run.lightning_compat import logging_step, should_update_logs, sync_batchnorm_requested
+from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.compression import Compression, CompressionSpec
@@ -31,12 +30,12 @@ from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
-from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, count_global_batch,
-                                         gather_rates, global_batch_claim, known_global_batch,
-                                         sync_buffers_between_processes_)
+from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, gather_rates,
+                                         global_batch_size, sync_every_buffer_)
 from src.strategies.processes import ProcessesParallelStrategy
-from src.strategies.replicas import ReplicaSet, sync_buffers_
+from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
+from src.strategies.zero import Partitions, check_one_process, check_stage, partition
 from src.timeline.labels import phase
 
 
@@ -87,6 +86,9 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         warm_start: PowerSGD starts each step's power iteration from the last step's Q.
         min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor (biases
             and other vectors always travel as they are); any number > 0, as torch's hook and the DDP overlay.
+        zero_stage: 0: every replica holds the whole optimizer state. 1: each keeps its partition's only (ZeRO;
+            `src.strategies.zero`). 2: its partition of the reduced gradient too. Needs the ring, one process, and
+            SGD, Adam or AdamW (not fused).
 
     Raises:
         ValueError: Bad devices, algorithm, weights, buffer mode or compression settings (at construction); a
@@ -109,13 +111,14 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
                  start_method: Literal["popen", "spawn", "fork"] = "popen",
                  compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
                  powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
-                 min_compression_rate: float = 2.0) -> None:
+                 min_compression_rate: float = 2.0, zero_stage: Literal[0, 1, 2] = 0) -> None:
         # checked here, once, before the devices are parsed; the compression is made at train start, when the
         # world size is known
         self._compression = CheckpointedCompression(CompressionSpec(
             compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
         check_options(allreduce, process_allreduce, sync_buffers, bucket_cap_mb, auto_split_steps, check_sync_every)
         check_replicas(devices, replicas_per_process, split_weights)
+        check_stage(zero_stage, allreduce)
         super().__init__(process_group_backend, timeout, start_method)
         self._devices = parse_devices(devices) if devices is not None else None
         self.replicas_per_process = len(devices) if devices is not None else replicas_per_process
@@ -127,6 +130,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         self.optimizer_steps, self.split_fixed_at_step = 0, None  # steps taken; the step `auto` fixed the split at
         self.replica_set: ReplicaSet | None = None  # made at setup; kept after teardown, its replicas dropped
         self.exchange: GradientExchange | None = None  # made at train start; kept after fit (byte counts, buckets)
+        self.zero_stage = zero_stage
+        self.partitions: Partitions | None = None  # with zero_stage: the partitions, from train start to teardown
         self._followed = False  # optimizer_step followed replica 0 already, for the training_step in its closure
         self._agreement_due = True  # the processes compare their optimizers at the next step (then at logging steps)
 
@@ -169,8 +174,19 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
 
     @property
     def bytes_sent(self) -> list[int]:
-        """Bytes each device sent in the last optimizer step's allreduce."""
+        """Bytes each device sent in the last optimizer step's allreduce (with `zero_stage`: its reduce-scatter of the
+        gradients and all-gather of the parameters)."""
         return self.exchange.bytes_sent if self.exchange is not None else []
+
+    def model_state_bytes(self) -> list[dict[str, int]]:
+        """Per replica of this process: bytes of its "parameters", of its "gradients" at their peak in the last step
+        and "gradients_at_update", and of its "optimizer_state" now, counted from the tensors it holds (with
+        `zero_stage`, its partition's). Empty before training."""
+        if self.partitions is not None:
+            return self.partitions.held_bytes()
+        if self.exchange is None or self.replica_set is None or not self.replica_set.modules:
+            return []
+        return self.replica_set.held_bytes(self.optimizers[0], self.exchange.gradient_bytes)
 
     @property
     def compression(self) -> Compression | None:
@@ -216,8 +232,10 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         check_trainer_setup(trainer, self.precision_plugin, sync_batchnorm_requested(self), self.split_weights)
         replica0 = self.lightning_module
         super().setup(trainer)
+        check_one_process(self.zero_stage, self.world_size)
         self.replica_set = ReplicaSet(replica0, self.replica_devices, trainer,
-                                      sync_batchnorm_requested(self) and self.data_parallel, self.multi_process)
+                                      sync_batchnorm_requested(self) and self.data_parallel, self.multi_process,
+                                      partitioned=self.zero_stage > 0)
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.replicas_per_process, self.auto_split_steps)
 
@@ -249,6 +267,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
         self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
                                          background, self.compression)
+        if self.zero_stage:
+            self.partitions = partition(self.exchange, self.optimizers[0], params, self.zero_stage, self.partitions)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -265,6 +285,14 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             self.replica_set.load_from_replica0(strict)
 
     @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict as one device holds it; with `zero_stage`, gathered from the partitions."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        if self.partitions is not None and inner is self.partitions.source:
+            return self.partitions.state_dict()
+        return super().optimizer_state(optimizer)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add the compression's state (every process's error memory: a collective, so all ranks run it), then
         write on rank 0 as Lightning does. A weights-only checkpoint gets none."""
@@ -277,6 +305,9 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         exchange stays, so its byte counts and buckets can be read after fit."""
         if self.exchange is not None:
             self.exchange.remove()
+        if self.partitions is not None:  # replica 0's optimizer whole again, as one device leaves it
+            self.partitions.source.load_state_dict(self.partitions.state_dict())
+            self.partitions = None
         if self.replica_set is not None:
             self.replica_set.remove()
         super().teardown()
@@ -325,8 +356,11 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             self._follow_replica0()
         self._followed = False
         n = batch_size_of(args[0])
-        if self.multi_process:  # N, the global batch's samples
-            count = self._global_batch_size(n)
+        if self.multi_process:  # N, the global batch's samples (`process_sync.global_batch_size`)
+            count, self._agreement_due = global_batch_size(
+                self.lightning_module.trainer, n, self.global_rank, self.total_replicas, self.root_device,
+                self.replica_set.sync_group is not None, self._agreement_due,
+                lambda: agreement_code(self.replica_set.watch, self.optimizers[0]))
         call = self._scatter("training_step", args, kwargs, n)  # scatter
         with self.precision_plugin.train_step_context():
             results = self._run_replicas(call)  # run the replicas
@@ -341,36 +375,6 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
         with phase("gather"):
             return gather_losses(results, self.root_device, total)
-
-    def _global_batch_size(self, n: int) -> int | Callable[[], int]:
-        """N of this step's global batch, from this process's `n`: N, or a function that waits for it and returns it.
-
-        The training loader's sampler says N without a message, when it can (`global_batch_claim`). Otherwise, and
-        on the first step of a fit and at every logging step in any case, the processes add up their counts with
-        a small allreduce that runs while the replicas do; it also compares their optimizers (`agreement_code`)
-        and, where the sampler said N, checks that number. So ours makes no collective per step beyond DDP's
-        except one of 32 bytes on the first step and at the logging steps (every `log_every_n_steps`).
-        """
-        trainer = self.lightning_module.trainer
-        sync_batchnorm = self.replica_set.sync_group is not None
-        claim = global_batch_claim(trainer.train_dataloader)
-        known = claim() if claim is not None else None
-        at_logging_step = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
-        if known is not None and not (at_logging_step or self._agreement_due):
-            return known_global_batch(n, *known, self.global_rank, self.total_replicas, sync_batchnorm)
-        self._agreement_due = False
-        count = count_global_batch(n, self.root_device, self.total_replicas, sync_batchnorm,
-                                   agreement=agreement_code(self.replica_set.watch, self.optimizers[0]))
-        if known is None:
-            return count
-
-        def counted_and_known() -> int:
-            counted = count()
-            if counted != known[0]:
-                raise RuntimeError(f"split_allreduce: the processes counted a global batch of {counted} samples, but "
-                                   f"the training loader's sampler recorded {known[0]}: the ranks' loaders differ")
-            return known_global_batch(n, *known, self.global_rank, self.total_replicas, sync_batchnorm)
-        return counted_and_known
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -406,28 +410,23 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
         # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
         grad_norms = self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
-        out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
-                                     model, **kwargs)
         replica0 = self.lightning_module
-        clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", replica0)
-        self.replica_set.step_others(self.optimizers, clipped)
+        if self.partitions is not None:  # the partitions step: reduce-scatter, update, all-gather
+            out = super().optimizer_step(self.partitions, self.partitions.closure(self.exchange, closure, grad_norms),
+                                         model, **kwargs)
+        else:
+            out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
+                                         model, **kwargs)
+            clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", replica0)
+            self.replica_set.step_others(self.optimizers, clipped)
         if any(True for _ in replica0.buffers()):
-            self._sync_buffers()
+            sync_every_buffer_(self.replicas, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
         if self.split_weights == "auto":
             self._fix_auto_split()
         if self.check_sync_every and self.optimizer_steps % self.check_sync_every == 0:
             self.check_replicas_in_sync()
         return out
-
-    def _sync_buffers(self) -> None:
-        """Make BatchNorm running statistics equal: among this process's replicas, then between the processes'
-        replica 0s, and back to the other local replicas."""
-        with phase("sync buffers"):
-            sync_buffers_(self.replicas, self.sync_buffers_mode)
-            if self.multi_process:
-                sync_buffers_between_processes_(self.replicas[0], self.sync_buffers_mode)
-                sync_buffers_(self.replicas, "broadcast")
 
     def _fix_auto_split(self) -> None:
         """Fix the shares once `split_weights: auto` has measured every replica's rate (every process's rates are

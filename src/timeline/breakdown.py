@@ -71,9 +71,11 @@ def category_of(name: str) -> str | None:
     """The category a labelled span counts towards (see the module docstring), or None for other spans."""
     if name.startswith("dp/wait/"):
         return "waiting"
-    if name.startswith(("dp/allreduce", "dp/scatter", "dp/gather", "dp/sync buffers")) or is_comm_op(name):
+    if name.startswith(("dp/allreduce", "dp/reduce-scatter", "dp/all-gather", "dp/scatter", "dp/gather",
+                        "dp/sync buffers")) or is_comm_op(name):
         return "communication"
-    if name.startswith(("dp/forward", "dp/backward", "dp/replica ", "Optimizer.step#", "Optimizer.zero_grad#")):
+    if name.startswith(("dp/forward", "dp/backward", "dp/replica ", "dp/optimizer", "Optimizer.step#",
+                        "Optimizer.zero_grad#")):
         return "compute"
     if name.startswith(("dp/loop", "enumerate(DataLoader)")):
         return "loop"

@@ -35,7 +35,7 @@ def copy_back_(flat: Tensor, tensors: Sequence[Tensor]) -> None:
         offset += t.numel()
 
 
-def _in_memory_order(t: Tensor) -> tuple[str, Tensor] | None:
+def in_memory_order(t: Tensor) -> tuple[str, Tensor] | None:
     """`t`'s elements as a 1-D view in the order they lie in memory (no copy), with that order's name; None when
     `t` is neither contiguous nor channels_last."""
     if t.is_contiguous():
@@ -60,12 +60,12 @@ def memory_views(groups: Sequence[Sequence[Tensor]]) -> list[list[Tensor]] | Non
     Returns:
         K lists of 1-D views (shapes `(numel,)`, same dtype and device as the tensors), or None.
     """
-    first = [_in_memory_order(t) for t in groups[0]]
+    first = [in_memory_order(t) for t in groups[0]]
     if any(v is None for v in first):
         return None
     views = [[v for _, v in first]]
     for group in groups[1:]:
-        these = [_in_memory_order(t) for t in group]
+        these = [in_memory_order(t) for t in group]
         if any(v is None or v[0] != f[0] for v, f in zip(these, first)):
             return None
         views.append([v for _, v in these])
@@ -148,7 +148,8 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
                          cap_bytes: int = 25 * 2**20, buckets: Sequence[Sequence[int]] | None = None,
                          between: BetweenProcesses | None = None,
                          bucket_ids: Sequence[int] | None = None,
-                         compression: Compression | None = None) -> list[int]:
+                         compression: Compression | None = None,
+                         bucket_fn: Callable[..., list[int]] | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
 
     In one process, a parameter whose gradient is None on every replica is left alone (as on one device);
@@ -166,6 +167,9 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         between: The allreduce between processes, or None (see `allreduce_bucket_`).
         bucket_ids: The numbers of `buckets` in the step timeline (default 0, 1, ...).
         compression: How buckets travel between processes (see `allreduce_bucket_`); None: exactly.
+        bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and returns
+            the bytes each device sent (ZeRO's reduce-scatter, `src.strategies.zero.Partitions`). Every parameter
+            that requires a gradient then takes part, and one without a `.grad` is left for it to read as zeros.
 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
@@ -174,11 +178,11 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         algorithm = in_process_allreduce(algorithm)
     k = len(replica_params)
     sent = [0] * k
-    if between is None:
+    if between is None and bucket_fn is None:
         live = [i for i in range(len(replica_params[0])) if any(ps[i].grad is not None for ps in replica_params)]
     else:
         live = [i for i in range(len(replica_params[0])) if replica_params[0][i].requires_grad]
-    for ps in replica_params:
+    for ps in replica_params if bucket_fn is None else ():
         for i in live:
             if ps[i].grad is None:
                 ps[i].grad = torch.zeros_like(ps[i])
@@ -191,7 +195,11 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
     for b, bucket in zip(bucket_ids or range(len(buckets)), buckets):
         if bucket:
             members = [[ps[i] for i in bucket] for ps in replica_params]
-            for dev, n in enumerate(allreduce_bucket_(members, algorithm, between, b, compression, bucket)):
+            if bucket_fn is None:
+                counts = allreduce_bucket_(members, algorithm, between, b, compression, bucket)
+            else:
+                counts = bucket_fn(members, b, bucket)
+            for dev, n in enumerate(counts):
                 sent[dev] += n
     return sent
 
@@ -229,11 +237,14 @@ class GradientExchange:
         self.bytes_sent: list[int] = []  # per device, in the last exchange
         self.bytes_uncompressed: list[int] = []  # per device, what the last exchange would have sent uncompressed
         self.grad_norms: list[float] = []  # per replica, before the last exchange, when asked for
+        self.gradient_bytes: list[int] = []  # per replica, the `.grad` bytes it held after the last backward
         self._sent_in_backward: list[int] = []
         # one thread: the buckets go out in index order, the same on every process
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="bucket-exchange") if overlap and background else None
         self._handed: list[Future] = []
         self.exchanged_beside_backward = 0  # buckets the last backward handed to the exchange thread
+        # ZeRO (src.strategies.zero): each bucket is reduce-scattered into partitions instead of allreduced
+        self.bucket_fn: Callable[..., list[int]] | None = None
 
     def around_backward(self, backward: Callable[[], Any], grad_norms: bool = False) -> Any:
         """Run `backward` (Lightning's closure: forward, loss, backward) and leave every gradient allreduced.
@@ -264,13 +275,16 @@ class GradientExchange:
             raise
         left = ready.disarm() if ready is not None else None
         self._finish_handed()
+        self.gradient_bytes = [sum(nbytes(p.grad) for p in ps if p.grad is not None) for ps in self.params]
         self.grad_norms = [_grad_norm(ps) for ps in self.params] if grad_norms else []
         if left is None:
             self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
-                                                   between=self.between, compression=self.compression)
+                                                   between=self.between, compression=self.compression,
+                                                   bucket_fn=self.bucket_fn)
         else:
             rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left],
-                                        between=self.between, bucket_ids=left, compression=self.compression)
+                                        between=self.between, bucket_ids=left, compression=self.compression,
+                                        bucket_fn=self.bucket_fn)
             self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
         self.bytes_uncompressed = list(self.bytes_sent)
         if self.compression is not None:  # replica 0's device sends the process's compressed sum
@@ -300,7 +314,10 @@ class GradientExchange:
             self._handed.append(self._worker.submit(self._reduce_members, members, b, trainable))
 
     def _reduce_members(self, members: list[list[nn.Parameter]], b: int, trainable: list[int]) -> None:
-        sent = allreduce_bucket_(members, self.algorithm, self.between, b, self.compression, trainable)
+        if self.bucket_fn is None:
+            sent = allreduce_bucket_(members, self.algorithm, self.between, b, self.compression, trainable)
+        else:
+            sent = self.bucket_fn(members, b, trainable)
         for dev, n in enumerate(sent):
             self._sent_in_backward[dev] += n
 

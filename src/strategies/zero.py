@@ -1,0 +1,348 @@
+"""ZeRO stages 1 and 2 among one process's K replicas: each replica keeps the optimizer state of its own partition
+only (`src.strategies.partitions`), and under stage 2 only its partition's reduced gradient.
+
+A step, bucket by bucket: the ring's reduce-scatter (`src.strategies.comm.allreduce.reduce_scatter_`) leaves
+replica k holding the complete gradient sum of its chunk; replica k updates the parameters of that chunk with
+the optimizer's own elementwise update; the ring's all-gather, of the parameters this time, makes every replica
+whole again. The bytes sent are those of one ring allreduce. Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020, sections 5.1 and 5.2 (P_os, P_os+g); torch's
+`ZeroRedundancyOptimizer` partitions whole parameters instead, DeepSpeed's stages 1 and 2 flat buffers as here.
+
+The update is the same arithmetic as on one device because SGD, Adam and AdamW update every element from that
+element's gradient and state alone: the optimizer of the run's own class steps 1-D views of the partition's
+segments, each in a param group with its parameter's settings (a partition may cross groups).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from src.strategies.comm.allreduce import all_gather_, nbytes, owned_chunk, reduce_scatter_
+from src.strategies.comm.gradient_exchange import GradientExchange, in_memory_order
+from src.strategies.partitions import chunk_bounds, owned_segments
+from src.timeline.labels import phase
+
+ZERO_STAGES = (0, 1, 2)
+# torch.optim classes whose update of an element reads only that element's gradient and state
+ELEMENTWISE = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+def check_stage(stage: int, allreduce: str = "ring") -> None:
+    """Raises ValueError unless `stage` is 0, 1 or 2, and the in-process allreduce is the ring when it is not 0."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be 0 (every replica holds everything), 1 (optimizer state partitioned) "
+                         f"or 2 (optimizer state and gradients partitioned), got {stage!r}")
+    if stage and allreduce != "ring":
+        raise ValueError(f"zero_stage {stage} partitions the state over the ring's chunks; allreduce: {allreduce} has "
+                         "none. Use allreduce: ring, or zero_stage: 0")
+
+
+def check_one_process(stage: int, processes: int) -> None:
+    """Raises RuntimeError for a `stage` other than 0 in a job of several processes."""
+    if stage and processes > 1:
+        raise RuntimeError(f"zero_stage {stage} partitions the state among one process's replicas; this job has "
+                           f"{processes} processes. Run one process with K replicas (trainer.devices: 1, "
+                           "replicas_per_process: K), or zero_stage: 0")
+
+
+def check_partitionable(optimizer: Optimizer) -> None:
+    """Raises RuntimeError unless `optimizer` is SGD, Adam or AdamW, not fused: an update of a partition's elements
+    equals the whole tensor's update on those elements only for these."""
+    name = type(optimizer).__name__
+    if type(optimizer) not in ELEMENTWISE.values():
+        raise RuntimeError(f"zero_stage partitions the optimizer state, which needs an update that treats every "
+                           f"element on its own; {name} is not one of {', '.join(ELEMENTWISE)} (torch.optim). Use one "
+                           "of them, or zero_stage: 0")
+    if any(group.get("fused") for group in optimizer.param_groups):
+        raise RuntimeError(f"zero_stage: a fused {name} updates whole tensors in one kernel; build it with "
+                           "fused=False (the default), or use zero_stage: 0")
+
+
+def memory_view(t: Tensor) -> Tensor:
+    """`t`'s elements as a detached 1-D view in memory order (the order the exchange's buckets read them).
+
+    Raises:
+        RuntimeError: If `t` is neither contiguous nor channels_last.
+    """
+    found = in_memory_order(t.detach())
+    if found is None:
+        raise RuntimeError(f"zero_stage: a parameter of shape {tuple(t.shape)} is neither contiguous nor "
+                           "channels_last, so its elements cannot be partitioned as views; make it contiguous")
+    return found[1]
+
+
+class Partitions:
+    """The K replicas' partitions of every bucket, the optimizer that updates them, and the two halves of the ring
+    around that update.
+
+    Args:
+        source: Replica 0's optimizer (the one Lightning holds): its class, param groups and settings are used;
+            it never steps and holds no state while partitions exist.
+        replica_params: K lists of parameters, entry i of each the same parameter on another replica.
+        buckets: The exchange's buckets, as parameter indices (`bucket_indices`).
+        stage: 1 (optimizer state partitioned) or 2 (gradients as well).
+
+    Raises:
+        RuntimeError: From `check_partitionable`, or a parameter that is neither contiguous nor channels_last.
+    """
+
+    def __init__(self, source: Optimizer, replica_params: list[list[nn.Parameter]], buckets: list[list[int]],
+                 stage: int) -> None:
+        check_partitionable(source)
+        self.source, self.params, self.stage = source, replica_params, stage
+        self.k = len(replica_params)
+        self.group_of = {i: g for g, group in enumerate(source.param_groups) for i, p in enumerate(replica_params[0])
+                         if any(p is q for q in group["params"])}
+        # the buckets as the exchange reduces them: every parameter that requires a gradient (one outside the
+        # optimizer too, whose segments are then exchanged but not updated, as on one device)
+        trainable = [[i for i in b if replica_params[0][i].requires_grad] for b in buckets]
+        self.buckets = [b for b in trainable if b]
+        self._number = {b[0]: n for n, b in enumerate(self.buckets)}
+        self.segments = [[owned_segments(b, [replica_params[0][i].numel() for i in b], r, self.k)
+                          for r in range(self.k)] for b in self.buckets]  # [bucket][replica]
+        self._views = [[[memory_view(replica_params[r][s.param])[s.start:s.stop] for s in self.segments[b][r]]
+                        for r in range(self.k)] for b in range(len(self.buckets))]
+        self.optimizer, self._group_source = self._make_optimizer()
+        self._chunks: dict[int, list[Tensor]] = {}  # bucket -> each replica's reduced chunk, this step
+        self._had_grad: set[int] = set()  # parameters with a gradient on some replica, this step
+        self.bytes_sent = [0] * self.k  # by each replica's device, in the last all-gather of the parameters
+        self.peak_gradient_bytes = [0] * self.k  # by each replica, in the last step
+        self._peak = [0] * self.k  # the same, in this step so far
+        self._at_update = [0] * self.k  # by each replica, when the last update ran
+        self._exchange: GradientExchange | None = None
+
+    def _make_optimizer(self) -> tuple[Optimizer, list[int]]:
+        """One optimizer of the source's class over every segment view, one group per (replica, source group)."""
+        groups, group_source = [], []
+        for r in range(self.k):
+            for g, src in enumerate(self.source.param_groups):
+                views = [v for b in range(len(self.buckets)) for s, v in zip(self.segments[b][r], self._views[b][r])
+                         if self.group_of.get(s.param) == g]
+                if views:
+                    groups.append({**{key: val for key, val in src.items() if key != "params"}, "params": views})
+                    group_source.append(g)
+        if not groups:
+            raise RuntimeError("zero_stage: the optimizer has no parameter that requires a gradient to partition")
+        return type(self.source)(groups), group_source
+
+    # ---- the exchange's half: reduce-scatter ---------------------------------------------------------------------
+    def reduce_scatter_bucket_(self, members: Sequence[Sequence[nn.Parameter]], index: int,
+                               param_ids: Sequence[int]) -> list[int]:
+        """Reduce-scatter one bucket's gradients among the K replicas and keep each replica's chunk.
+
+        Args:
+            members: K lists of the bucket's parameters (a `.grad` of its own shape, or None: zeros).
+            index: The bucket's number in the exchange.
+            param_ids: Their indices in the replica's parameter list.
+
+        Returns:
+            Bytes sent by each replica's device: (K-1) chunks.
+        """
+        with phase(f"reduce-scatter bucket {index}"):
+            flats = []
+            for group in members:
+                parts = []
+                for p in group:
+                    if p.grad is None:
+                        parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+                    else:
+                        parts.append(memory_view(p.grad))
+                flats.append(torch.cat(parts))
+            self._had_grad.update(i for j, i in enumerate(param_ids) if any(g[j].grad is not None for g in members))
+            sent = reduce_scatter_(flats)
+            b = self._bucket_number(param_ids)
+            bounds = [chunk_bounds(flats[0].numel(), self.k, owned_chunk(r, self.k)) for r in range(self.k)]
+            if self.stage == 1:  # the reduced chunk goes back into the replica's own gradients, for its segments
+                for r, (flat, (lo, _)) in enumerate(zip(flats, bounds)):
+                    for seg in self.segments[b][r]:
+                        if seg.param in self._had_grad:
+                            p = self.params[r][seg.param]
+                            if p.grad is None:  # a replica that computed none (an empty shard)
+                                p.grad = torch.zeros_like(p)
+                            memory_view(p.grad)[seg.start:seg.stop].copy_(flat[lo + seg.offset:lo + seg.offset
+                                                                             + seg.numel])
+                self._chunks[b] = None
+            else:  # a copy of the owned chunk, and the bucket's whole gradients freed: only the reduced chunk stays
+                self._chunks[b] = [flat[lo:hi].clone() for flat, (lo, hi) in zip(flats, bounds)]
+                self._note_gradient_bytes()
+                for group in members:
+                    for p in group:
+                        p.grad = None
+        return sent
+
+    def _bucket_number(self, param_ids: Sequence[int]) -> int:
+        return self._number[param_ids[0]]
+
+    def _note_gradient_bytes(self) -> list[int]:
+        """Each replica's gradient bytes now (its parameters' `.grad` and its reduced chunks), which also raise its
+        peak of this step. Between two frees of stage 2 what a replica holds only grows, so noting it before each
+        free, and once after backward, finds the peak."""
+        now = []
+        for r in range(self.k):
+            held = sum(nbytes(p.grad) for p in self.params[r] if p.grad is not None)
+            now.append(held + sum(nbytes(c[r]) for c in self._chunks.values() if c is not None))
+            self._peak[r] = max(self._peak[r], now[-1])
+        return now
+
+    def bind_gradients(self) -> None:
+        """Give every segment view its reduced gradient (None for a parameter no replica has a gradient of, which
+        the optimizer then skips, as on one device)."""
+        self._at_update = self._note_gradient_bytes()
+        for b, chunks in self._chunks.items():
+            for r in range(self.k):
+                for s, v in zip(self.segments[b][r], self._views[b][r]):
+                    if s.param not in self._had_grad:
+                        v.grad = None
+                    elif chunks is None:  # stage 1: the reduced part of the replica's own gradient
+                        v.grad = memory_view(self.params[r][s.param].grad)[s.start:s.stop]
+                    else:
+                        v.grad = chunks[r][s.offset:s.offset + s.numel]
+
+    def closure(self, exchange: GradientExchange, closure: Callable[[], Any], grad_norms: bool) -> Callable[[], Any]:
+        """Lightning's closure with `exchange`'s reduce-scatter in it, each partition's reduced gradient then given to
+        its segments: before Lightning clips them, since in one process the partitions together are the whole
+        reduced gradient (`grad_norms`: see `GradientExchange.around_backward`)."""
+        self._exchange = exchange  # its byte counts then include the all-gather of the parameters
+
+        def run() -> Any:
+            out = exchange.around_backward(closure, grad_norms)
+            self.bind_gradients()
+            return out
+        return run
+
+    # ---- the update, and the other half: all-gather of the parameters ------------------------------------------
+    def step(self, closure: Callable[[], Any]) -> Any:
+        """Run Lightning's closure (forward, backward with the reduce-scatter, clipping), update every partition with
+        the source's current group settings, then all-gather the parameters; what `optimizer.step` does."""
+        with torch.enable_grad():
+            loss = closure()
+        with phase("optimizer (partitions)"):
+            for group, g in zip(self.optimizer.param_groups, self._group_source):
+                group.update({key: val for key, val in self.source.param_groups[g].items() if key != "params"},
+                             params=group["params"])
+            self.optimizer.step()
+        self.all_gather_parameters_()
+        if self._exchange is not None:
+            for counts in (self._exchange.bytes_sent, self._exchange.bytes_uncompressed):
+                counts[:] = [a + b for a, b in zip(counts, self.bytes_sent)]
+        self.zero_grad()
+        return loss
+
+    @torch.no_grad()
+    def all_gather_parameters_(self) -> None:
+        """The ring's all-gather of each bucket's parameters: replica k's updated chunk reaches every replica."""
+        sent = [0] * self.k
+        for b, bucket in enumerate(self.buckets):
+            with phase(f"all-gather bucket {b} (parameters)"):
+                views = [[memory_view(ps[i]) for i in bucket] for ps in self.params]
+                flats = [torch.cat(v) for v in views]
+                for r, n in enumerate(all_gather_(flats)):
+                    sent[r] += n
+                for v, flat in zip(views, flats):
+                    torch._foreach_copy_(v, flat.split([t.numel() for t in v]))
+        self.bytes_sent = sent
+
+    def zero_grad(self) -> None:
+        """Drop every replica's gradients and the partitions' reduced chunks."""
+        for ps in self.params:
+            for p in ps:
+                p.grad = None
+        for per_bucket in self._views:
+            for views in per_bucket:
+                for v in views:
+                    v.grad = None
+        self._chunks, self._had_grad = {}, set()
+        self.peak_gradient_bytes, self._peak = self._peak, [0] * self.k
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The partitions' param groups (what Lightning's clipping reads: every replica's reduced chunks, which in
+        one process together are the whole reduced gradient)."""
+        return self.optimizer.param_groups
+
+    # ---- state: partitioned while training, whole in checkpoints ---------------------------------------------
+    def full_state(self) -> dict[int, dict[str, Any]]:
+        """Every parameter's optimizer state in its own shape, on replica 0's device, keyed by the parameter's index
+        in the replica's parameter list: what one device's optimizer holds (for a checkpoint)."""
+        out: dict[int, dict[str, Any]] = {}
+        for b in range(len(self.buckets)):
+            for r in range(self.k):
+                for s, v in zip(self.segments[b][r], self._views[b][r]):
+                    state = self.optimizer.state.get(v)
+                    if not state:
+                        continue
+                    target = self.params[0][s.param]
+                    entry = out.setdefault(s.param, {})
+                    for key, val in state.items():
+                        if torch.is_tensor(val) and val.dim() == 1:
+                            whole = entry.setdefault(key, torch.empty_like(target, dtype=val.dtype))
+                            memory_view(whole)[s.start:s.stop] = val.to(whole.device)
+                        else:
+                            entry.setdefault(key, val.clone() if torch.is_tensor(val) else val)
+        return out
+
+    def load_full_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Take each segment's part of every parameter's whole state (`full_state`'s format)."""
+        self.optimizer.state.clear()
+        for b in range(len(self.buckets)):
+            for r in range(self.k):
+                for s, v in zip(self.segments[b][r], self._views[b][r]):
+                    if s.param not in state:
+                        continue
+                    self.optimizer.state[v] = {
+                        key: (memory_view(val)[s.start:s.stop].to(v.device).clone()
+                              if torch.is_tensor(val) and val.shape == self.params[0][s.param].shape and val.dim()
+                              else val.clone() if torch.is_tensor(val) else val)
+                        for key, val in state[s.param].items()}
+
+    def source_state(self) -> dict[int, dict[str, Any]]:
+        """The source optimizer's state in `full_state`'s format (e.g. loaded from a checkpoint)."""
+        index = {id(p): i for i, p in enumerate(self.params[0])}
+        return {index[id(p)]: dict(s) for p, s in self.source.state.items() if id(p) in index}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict one device's optimizer would have: `source.state_dict()`'s format, whole state."""
+        layout = self.source.state_dict()
+        position = {}
+        n = 0
+        index = {id(p): i for i, p in enumerate(self.params[0])}
+        for group in self.source.param_groups:
+            for p in group["params"]:
+                position[index[id(p)]] = n
+                n += 1
+        layout["state"] = {position[i]: s for i, s in self.full_state().items()}
+        return layout
+
+    def held_bytes(self) -> list[dict[str, int]]:
+        """Per replica: bytes of its parameters, of the gradients it held (its parameters' `.grad` and its reduced
+        chunks) at their peak in the last step and when its update ran, and of its optimizer state now."""
+        out = []
+        for r in range(self.k):
+            state = sum(nbytes(t) for b in range(len(self.buckets)) for v in self._views[b][r]
+                        for t in self.optimizer.state.get(v, {}).values() if torch.is_tensor(t))
+            out.append({"parameters": sum(nbytes(p) for p in self.params[r]),
+                        "gradients": self.peak_gradient_bytes[r], "gradients_at_update": self._at_update[r],
+                        "optimizer_state": state})
+        return out
+
+
+def partition(exchange: GradientExchange, source: Optimizer, params: list[list[nn.Parameter]], stage: int,
+              old: Partitions | None) -> Partitions:
+    """New partitions over `exchange`'s buckets, which then reduce-scatter instead of allreducing.
+
+    Their state comes from the `old` partitions while replica 0's optimizer `source` is the same and holds none (a
+    change of `requires_grad` flags, or a param group added), else from `source` (a checkpoint's state loaded into
+    it, or a new optimizer), which then holds none.
+
+    Raises:
+        RuntimeError: From `Partitions`.
+    """
+    carried = old.full_state() if old is not None and old.source is source and not source.state else None
+    made = Partitions(source, params, exchange.buckets, stage)
+    made.load_full_state(carried if carried is not None else made.source_state())
+    source.state.clear()  # the same dict: replica 0's watch sees no new state
+    exchange.bucket_fn = made.reduce_scatter_bucket_
+    return made
