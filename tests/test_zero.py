@@ -42,9 +42,11 @@ def test_the_recipe_clips_and_trains(tiny_data_dir, one_device):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("k,overlap", [(2, False), (3, True)])
-def test_stages_equal_one_device_in_float64(tiny_data_dir, one_device, stage, k, overlap):
-    strategy = SplitAllreduceStrategy(devices=[CPU] * k, zero_stage=stage, overlap=overlap, check_sync_every=1)
+@pytest.mark.parametrize("k,overlap,weights", [(2, False, None), (3, True, None), (2, True, [3, 1])])
+def test_stages_equal_one_device_in_float64(tiny_data_dir, one_device, stage, k, overlap, weights):
+    """Also with uneven shards ([3, 1] of each global batch)."""
+    strategy = SplitAllreduceStrategy(devices=[CPU] * k, zero_stage=stage, overlap=overlap, check_sync_every=1,
+                                      split_weights=weights)
     model, trainer, snapshot = fit(tiny_data_dir, strategy, **RECIPE)
     assert trainer.global_step == 10
     assert _max_diff(one_device, _state(model)) < 1e-9
@@ -73,6 +75,16 @@ def test_stages_are_bitwise_stage_0_in_float32(tiny_data_dir, optimizer, lr):
         for i, entry in state0.items():
             assert entry.keys() == state[i].keys()
             assert all(torch.equal(entry[key], state[i][key]) for key in entry), (stage, i)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_accumulation_equals_one_device(tiny_data_dir, stage):
+    """Two micro-batches a step: the exchange runs in the last one's backward, over the accumulated gradients."""
+    kwargs = dict(steps=5, accumulate_grad_batches=2, model_kwargs={"weight_decay": 1e-3})
+    one, _, _ = fit(tiny_data_dir, **kwargs)
+    zero, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=stage, overlap=True),
+                     **kwargs)
+    assert _max_diff(_state(one), _state(zero)) < 1e-9
 
 
 class HeldBytes(pl.Callback):
@@ -151,13 +163,30 @@ class FusedSGDLeNet(LeNetClassifier):
         return torch.optim.SGD(self.parameters(), lr=0.01, fused=True)
 
 
-@pytest.mark.parametrize("model_cls,message", [
-    (AdagradLeNet, "Adagrad is not one of SGD, Adam, AdamW"),
-    (FusedSGDLeNet, "fused SGD updates whole tensors"),
+class OwnClippingLeNet(LeNetClassifier):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("model_cls,stage,message", [
+    (AdagradLeNet, 1, "Adagrad is not one of SGD, Adam, AdamW"),
+    (FusedSGDLeNet, 2, "fused SGD updates whole tensors"),
+    (OwnClippingLeNet, 2, "OwnClippingLeNet.configure_gradient_clipping would find none. Clip with "
+                          "trainer.gradient_clip_val"),
 ])
-def test_optimizers_that_cannot_be_partitioned_are_refused_by_name(tiny_data_dir, model_cls, message):
+def test_what_cannot_be_partitioned_is_refused_by_name(tiny_data_dir, model_cls, stage, message):
     with pytest.raises(RuntimeError, match=message):
-        fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=1), model_cls=model_cls, steps=1)
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=stage), model_cls=model_cls, steps=1)
+
+
+def test_stage_1_clips_with_a_modules_own_clipping_as_one_device(tiny_data_dir):
+    """Under stage 1 a `configure_gradient_clipping` of the module's own clips the partitions, which in one process
+    together are the whole reduced gradient: one device's result."""
+    one, _, _ = fit(tiny_data_dir, model_cls=OwnClippingLeNet, steps=5)
+    zero, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=1), model_cls=OwnClippingLeNet,
+                     steps=5)
+    unclipped, _, _ = fit(tiny_data_dir, steps=5)
+    assert _max_diff(_state(one), _state(zero)) < 1e-9 < _max_diff(_state(one), _state(unclipped))
 
 
 def test_settings_that_cannot_be_partitioned_are_refused():

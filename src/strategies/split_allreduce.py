@@ -35,7 +35,7 @@ from src.strategies.process_sync import (agreement_code, check_in_sync_between_p
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
-from src.strategies.zero import Partitions, check_one_process, check_stage, partition
+from src.strategies.zero import Partitions, check_setup, check_stage, partition
 from src.timeline.labels import phase
 
 
@@ -232,7 +232,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         check_trainer_setup(trainer, self.precision_plugin, sync_batchnorm_requested(self), self.split_weights)
         replica0 = self.lightning_module
         super().setup(trainer)
-        check_one_process(self.zero_stage, self.world_size)
+        check_setup(self.zero_stage, self.world_size, replica0)
         self.replica_set = ReplicaSet(replica0, self.replica_devices, trainer,
                                       sync_batchnorm_requested(self) and self.data_parallel, self.multi_process,
                                       partitioned=self.zero_stage > 0)

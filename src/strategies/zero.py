@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from src.strategies.comm.allreduce import all_gather_, nbytes, owned_chunk, reduce_scatter_
@@ -40,12 +41,18 @@ def check_stage(stage: int, allreduce: str = "ring") -> None:
                          "none. Use allreduce: ring, or zero_stage: 0")
 
 
-def check_one_process(stage: int, processes: int) -> None:
-    """Raises RuntimeError for a `stage` other than 0 in a job of several processes."""
+def check_setup(stage: int, processes: int, module: nn.Module) -> None:
+    """Raises RuntimeError for a `stage` other than 0 in a job of several processes, and for stage 2 with a
+    LightningModule that overrides `configure_gradient_clipping` (its parameters' `.grad` are freed by then: the
+    strategy's partitions hold the reduced gradient, which Lightning's own clipping reads)."""
     if stage and processes > 1:
         raise RuntimeError(f"zero_stage {stage} partitions the state among one process's replicas; this job has "
                            f"{processes} processes. Run one process with K replicas (trainer.devices: 1, "
                            "replicas_per_process: K), or zero_stage: 0")
+    if stage == 2 and is_overridden("configure_gradient_clipping", module):
+        raise RuntimeError(f"zero_stage 2 frees each parameter's .grad once its bucket is reduce-scattered, so "
+                           f"{type(module).__name__}.configure_gradient_clipping would find none. Clip with "
+                           "trainer.gradient_clip_val (and gradient_clip_algorithm), or use zero_stage: 1")
 
 
 def check_partitionable(optimizer: Optimizer) -> None:
