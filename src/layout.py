@@ -33,6 +33,8 @@ class ParallelLayout:
             (DDP), every rank takes global batch / world size, which must divide evenly.
         compression: How gradients travel between processes: "none", "bf16" or "powersgd-r<rank>" (ours'
             `compression`, or torch's hook under `CompressedDDPStrategy`).
+        zero_stage: Ours' `zero_stage`: 0, or 1 and 2 where each replica keeps a partition of the optimizer state
+            (and of the gradients).
     """
 
     strategy: str
@@ -46,6 +48,7 @@ class ParallelLayout:
     splits_any_batch: bool = False
     _shares: Callable[[], list[float]] | None = field(default=None, repr=False, compare=False)
     compression: str = "none"
+    zero_stage: int = 0
 
     @property
     def total_replicas(self) -> int:

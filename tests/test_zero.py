@@ -101,9 +101,9 @@ class HeldBytes(pl.Callback):
 def test_each_replica_holds_a_kth_of_the_optimizer_state(tiny_data_dir, stage, overlap):
     """SGD with momentum keeps one buffer a parameter; each of 3 replicas keeps a third of them. Stage 1 keeps the
     whole gradient on every replica, stage 2 only its reduced third by the time the update runs. Stage 2's peak
-    within the step still holds what backward made before the exchange freed it (LeNet's largest gradient, its
-    first linear layer's, comes last in backward, so the peak is after all of them): a third more than the whole
-    gradient at most."""
+    within the step still holds what backward made before the exchange freed it: in one process backward runs
+    the replicas one after another, and a bucket is freed only once all have made its gradients, so the peak is
+    the whole gradient and at most a third more (the chunks kept meanwhile)."""
     held = HeldBytes()
     strategy = SplitAllreduceStrategy(devices=[CPU] * 3, zero_stage=stage, overlap=overlap, bucket_cap_mb=0.05)
     model, _, _ = fit(tiny_data_dir, strategy, callbacks=[held], steps=3)

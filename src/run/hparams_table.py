@@ -27,7 +27,8 @@ SHOWN = {"run/strategy": STRING, "run/processes": NUMBER, "run/replicas_per_proc
          "run/global_batch": NUMBER, "run/length": STRING}
 # One tick away: how the job ran, then the training recipe (the model's and DataModule's arguments)
 MORE = {"run/model": STRING, "run/device": STRING, "run/precision": STRING, "run/threads": NUMBER,
-        "run/seed": NUMBER, "run/allreduce": STRING, "run/compression": STRING, "run/backend": STRING,
+        "run/seed": NUMBER, "run/allreduce": STRING, "run/compression": STRING, "run/zero_stage": NUMBER,
+        "run/backend": STRING,
         "run/per_replica_batch": NUMBER,
         "run/split_weights": STRING, "run/torch": STRING, "run/lightning": STRING,
         "optimizer": STRING, "lr": NUMBER, "lr_scaled": NUMBER, "base_batch_size": NUMBER, "lr_scaling": STRING,

@@ -30,10 +30,12 @@ __all__ = ["RunLogger", "run_hparams", "run_tag"]
 
 def run_tag(trainer: "pl.Trainer") -> str:
     """`<strategy>-<P>x<K>-<device>` for this Trainer, e.g. "split_allreduce-1x2-cpu" or "ddp-2x1-cpu"; with
-    gradient compression `-<compression>` after it, e.g. "split_allreduce-2x1-cpu-powersgd-r2", "ddp-2x1-cpu-bf16"."""
+    gradient compression `-<compression>` after it, e.g. "split_allreduce-2x1-cpu-powersgd-r2", "ddp-2x1-cpu-bf16";
+    with ours' `zero_stage` `-zero<stage>`, e.g. "split_allreduce-1x2-cpu-zero1"."""
     layout = parallel_layout(trainer.strategy)
     tag = f"{layout.strategy}-{layout.processes}x{layout.replicas_per_process}-{layout.device_type}"
-    return tag if layout.compression == "none" else f"{tag}-{layout.compression}"
+    tag = tag if layout.compression == "none" else f"{tag}-{layout.compression}"
+    return f"{tag}-zero{layout.zero_stage}" if layout.zero_stage else tag
 
 
 def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | None) -> dict[str, Any]:
@@ -56,6 +58,7 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
         "run/precision": str(trainer.precision),
         "run/allreduce": layout.allreduce,
         "run/compression": layout.compression,
+        "run/zero_stage": layout.zero_stage,
         "run/backend": layout.backend or "none",
         "run/threads": torch.get_num_threads(),
         "run/split_weights": "equal" if weights is None else str(weights),

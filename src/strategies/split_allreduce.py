@@ -209,7 +209,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             "split_allreduce", p, k, tuple(self.replica_devices), tuple(self.parallel_devices or [self.root_device]),
             exchange_name(self.algorithm, self.process_algorithm, p, k),
             self.process_group_backend if p > 1 else None, self.split_weights, splits_any_batch=True,
-            _shares=lambda: self.shares.rank_shares, compression=self._compression.spec.tag if p > 1 else "none")
+            _shares=lambda: self.shares.rank_shares, compression=self._compression.spec.tag if p > 1 else "none",
+            zero_stage=self.zero_stage)
 
     def check_replicas_in_sync(self) -> None:
         """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
