@@ -3,12 +3,15 @@
     python -m benchmarks.strategy_step                 # real data if present under data/, else synthetic
     python -m benchmarks.strategy_step --rounds 5 --steps 40 --k 2
     python -m benchmarks.strategy_step --overlap --bucket_cap_mb 0.1   # adds K replicas with `overlap`
+    python -m benchmarks.strategy_step --zero --k 2 --steps 8 --rounds 2 --batch 32   # ResNet-18, zero_stage 0/1/2
 
 Runs the real Trainer for `--steps` optimizer steps per trial, alternating single, K replicas, single, ...
 (`--rounds` times each), and reports the median seconds per step of each and their ratio, measured in the
 same run (machines here are shared and noisy: compare ratios, not absolute times). Then prints the bytes
 each device sent in one step for both allreduce algorithms and K = 2, 3, 4, next to the ring's
-2(K-1)/K * N.
+2(K-1)/K * N. With `--zero`: ResNet-18 with SGD (momentum 0.9) and with Adam on K replicas at `zero_stage` 0, 1
+and 2 (with `overlap`) alternated, each stage's step time against stage 0's and what each replica holds
+(`SplitAllreduceStrategy.model_state_bytes`, at the last step).
 """
 
 import argparse
@@ -36,6 +39,7 @@ class StepTimer(pl.Callback):
     def __init__(self) -> None:
         self.seconds: list[float] = []
         self._t = 0.0
+        self.held = HeldAtLastStep()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t = time.perf_counter()
@@ -55,15 +59,56 @@ def data_dir() -> str:
     return str(root)
 
 
-def run(strategy, steps: int, batch: int, root: str) -> tuple[list[float], pl.Trainer]:
-    """Fit `steps` steps of LeNet (SGD, momentum 0.9) and return each step's seconds."""
+def run(strategy, steps: int, batch: int, root: str, model: pl.LightningModule | None = None
+        ) -> tuple[list[float], pl.Trainer]:
+    """Fit `steps` steps of `model` (default LeNet, SGD, momentum 0.9) and return each step's seconds."""
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, limit_val_batches=0,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[timer])
-    trainer.fit(LeNetClassifier(lr=0.1, momentum=0.9), FashionMNISTDataModule(root, batch_size=batch, download=False))
+                         enable_model_summary=False, callbacks=[timer, timer.held])
+    trainer.fit(model or LeNetClassifier(lr=0.1, momentum=0.9),
+                FashionMNISTDataModule(root, batch_size=batch, download=False))
     return timer.seconds, trainer
+
+
+class HeldAtLastStep(pl.Callback):
+    """What each replica held (`model_state_bytes`), read after every step; the last one is kept."""
+
+    def __init__(self) -> None:
+        self.held: list[dict[str, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if isinstance(trainer.strategy, SplitAllreduceStrategy):
+            self.held = trainer.strategy.model_state_bytes()
+
+
+def zero_stages(args: argparse.Namespace, root: str) -> None:
+    """ResNet-18 on K replicas at zero_stage 0, 1 and 2, alternated, for SGD with momentum and for Adam."""
+    from src.models.classifier import ResNet18Classifier
+
+    for optimizer in ("sgd", "adam"):
+        medians: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        held: dict[int, list[dict[str, int]]] = {}
+        for r in range(args.rounds):
+            for stage in medians:
+                strategy = SplitAllreduceStrategy(devices=["cpu"] * args.k, zero_stage=stage, overlap=stage == 2)
+                model = ResNet18Classifier(optimizer=optimizer, lr=0.01 if optimizer == "sgd" else 1e-3)
+                seconds, trainer = run(strategy, args.steps, args.batch, root, model)
+                medians[stage].append(statistics.median(seconds[2:]))
+                held[stage] = next(c for c in trainer.callbacks if isinstance(c, HeldAtLastStep)).held
+            print(f"{optimizer} round {r + 1}: " + ", ".join(f"stage {s} {m[-1] * 1e3:.0f} ms/step"
+                                                            for s, m in medians.items()))
+        base = statistics.median(medians[0])
+        print(f"\nResNet-18, {optimizer}, K={args.k}, global batch {args.batch} (MiB per replica, the largest)")
+        print("| stage | parameters | gradients at peak | gradients at the update | optimizer state | step "
+              "| vs stage 0 |")
+        print("|---|---|---|---|---|---|---|")
+        for stage, m in medians.items():
+            most = {key: max(h[key] for h in held[stage]) / 2**20 for key in held[stage][0]}
+            print(f"| {stage} | {most['parameters']:.1f} | {most['gradients']:.1f} | {most['gradients_at_update']:.1f} "
+                  f"| {most['optimizer_state']:.1f} | {statistics.median(m) * 1e3:.0f} ms | "
+                  f"{statistics.median(m) / base:.3f} |")
 
 
 def main() -> None:
@@ -74,10 +119,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="global batch")
     parser.add_argument("--overlap", action="store_true", help="also time K replicas with overlap: true")
     parser.add_argument("--bucket_cap_mb", type=float, default=25.0, help="bucket size of the K-replica runs")
+    parser.add_argument("--zero", action="store_true", help="ResNet-18 at zero_stage 0, 1, 2 instead")
     args = parser.parse_args()
     root = data_dir()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"lightning {pl.__version__}, {torch.get_num_threads()} threads, data: {root}")
+    if args.zero:
+        return zero_stages(args, root)
     medians: dict[str, list[float]] = {"single": [], f"K={args.k}": []}
     if args.overlap:
         medians[f"K={args.k} overlap"] = []

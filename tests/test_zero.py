@@ -102,8 +102,8 @@ def test_each_replica_holds_a_kth_of_the_optimizer_state(tiny_data_dir, stage, o
     """SGD with momentum keeps one buffer a parameter; each of 3 replicas keeps a third of them. Stage 1 keeps the
     whole gradient on every replica, stage 2 only its reduced third by the time the update runs. Stage 2's peak
     within the step still holds what backward made before the exchange freed it: in one process backward runs
-    the replicas one after another, and a bucket is freed only once all have made its gradients, so the peak is
-    the whole gradient and at most a third more (the chunks kept meanwhile)."""
+    the replicas one after another, and a bucket is freed only once all have made its gradients, so replica 0,
+    whose backward runs first, still holds its whole gradient when the first bucket is freed."""
     held = HeldBytes()
     strategy = SplitAllreduceStrategy(devices=[CPU] * 3, zero_stage=stage, overlap=overlap, bucket_cap_mb=0.05)
     model, _, _ = fit(tiny_data_dir, strategy, callbacks=[held], steps=3)
@@ -120,7 +120,7 @@ def test_each_replica_holds_a_kth_of_the_optimizer_state(tiny_data_dir, stage, o
         assert at_update == peak == [whole] * 3
     else:
         assert sum(at_update) == whole and max(at_update) <= whole // 3 + 8 * n_params
-        assert all(whole <= p <= whole + whole // 3 + 8 * n_params for p in peak), (peak, whole)
+        assert peak[0] == whole and max(peak) == whole, (peak, whole)
 
 
 def test_a_checkpoint_is_one_devices_and_resumes_on_any_layout(tiny_data_dir, tmp_path):

@@ -159,6 +159,11 @@ class Partitions:
                         parts.append(memory_view(p.grad))
                 flats.append(torch.cat(parts))
             self._had_grad.update(i for j, i in enumerate(param_ids) if any(g[j].grad is not None for g in members))
+            if self.stage >= 2:  # the bucket's whole gradients are freed now (the buffers hold them for the exchange)
+                self._note_gradient_bytes()
+                for group in members:
+                    for p in group:
+                        p.grad = None
             sent = reduce_scatter_(flats)
             b = self._bucket_number(param_ids)
             bounds = [chunk_bounds(flats[0].numel(), self.k, owned_chunk(r, self.k)) for r in range(self.k)]
@@ -172,12 +177,8 @@ class Partitions:
                             memory_view(p.grad)[seg.start:seg.stop].copy_(flat[lo + seg.offset:lo + seg.offset
                                                                              + seg.numel])
                 self._chunks[b] = None
-            else:  # a copy of the owned chunk, and the bucket's whole gradients freed: only the reduced chunk stays
+            else:  # only a copy of the owned chunk stays
                 self._chunks[b] = [flat[lo:hi].clone() for flat, (lo, hi) in zip(flats, bounds)]
-                self._note_gradient_bytes()
-                for group in members:
-                    for p in group:
-                        p.grad = None
         return sent
 
     def _bucket_number(self, param_ids: Sequence[int]) -> int:
