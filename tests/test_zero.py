@@ -194,6 +194,8 @@ def test_settings_that_cannot_be_partitioned_are_refused():
         SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=3)
     with pytest.raises(ValueError, match="allreduce: reduce_broadcast has none. Use allreduce: ring"):
         SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=1, allreduce="reduce_broadcast")
+    with pytest.raises(ValueError, match="compression: bf16 sends approximations .* compression: none, or zero_stage"):
+        SplitAllreduceStrategy(zero_stage=2, compression="bf16")
 
 
 def test_the_partitions_cover_every_element_once():

@@ -9,7 +9,7 @@ reads them). Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Tri
 section 5.1: each data-parallel process updates only its own partition of the parameters.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from src.strategies.comm.allreduce import owned_chunk, ring_chunk_sizes
@@ -65,8 +65,20 @@ def chunk_bounds(numel: int, chunks: int, chunk: int) -> tuple[int, int]:
     return first, first + sizes[chunk]
 
 
-def owned_segments(members: Sequence[int], numels: Sequence[int], replica: int, replicas: int) -> list[Segment]:
-    """Replica `replica`'s partition of one bucket: the chunk it holds complete after the ring's reduce-scatter
-    among `replicas` replicas (chunk (replica + 1) mod N), as segments of the bucket's parameters."""
-    first, last = chunk_bounds(sum(numels), replicas, owned_chunk(replica, replicas))
-    return chunk_segments(members, numels, first, last)
+def owned_bounds(numel: int, replica: int, replicas: int,
+                 between: Callable[[int], tuple[int, int]] | None = None) -> tuple[int, int]:
+    """[first, last) of the elements of a `numel`-element bucket that local replica `replica` of `replicas` holds
+    complete after the reduce-scatter: its ring chunk (chunk (replica + 1) mod K), and with several processes the
+    part of that chunk that this process holds after the reduce-scatter between them (`between(chunk numel)`, the
+    range within the chunk: `ProcessPartition.owned`)."""
+    first, last = chunk_bounds(numel, replicas, owned_chunk(replica, replicas))
+    if between is None:
+        return first, last
+    lo, hi = between(last - first)
+    return first + lo, first + hi
+
+
+def owned_segments(members: Sequence[int], numels: Sequence[int], replica: int, replicas: int,
+                   between: Callable[[int], tuple[int, int]] | None = None) -> list[Segment]:
+    """Replica `replica`'s partition of one bucket (`owned_bounds`), as segments of the bucket's parameters."""
+    return chunk_segments(members, numels, *owned_bounds(sum(numels), replica, replicas, between))

@@ -25,7 +25,7 @@ from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
-from src.strategies.comm.process_allreduce import world_allreduce
+from src.strategies.comm.process_allreduce import ProcessPartition, world_allreduce
 from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
@@ -35,7 +35,7 @@ from src.strategies.process_sync import (agreement_code, check_in_sync_between_p
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
-from src.strategies.zero import Partitions, check_setup, check_stage, partition
+from src.strategies.zero import Partitions, check_setup, check_stage, clip_through, partition
 from src.timeline.labels import phase
 
 
@@ -86,9 +86,9 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         warm_start: PowerSGD starts each step's power iteration from the last step's Q.
         min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor (biases
             and other vectors always travel as they are); any number > 0, as torch's hook and the DDP overlay.
-        zero_stage: 0: every replica holds the whole optimizer state. 1: each keeps its partition's only (ZeRO;
-            `src.strategies.zero`). 2: its partition of the reduced gradient too. Needs the ring, one process, and
-            SGD, Adam or AdamW (not fused).
+        zero_stage: 0: every replica holds the whole optimizer state. 1: each of the P x K keeps its partition's
+            only (ZeRO; `src.strategies.zero`). 2: its partition of the reduced gradient too. Needs the ring, no
+            compression, and SGD, Adam or AdamW (not fused).
 
     Raises:
         ValueError: Bad devices, algorithm, weights, buffer mode or compression settings (at construction); a
@@ -118,7 +118,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
         check_options(allreduce, process_allreduce, sync_buffers, bucket_cap_mb, auto_split_steps, check_sync_every)
         check_replicas(devices, replicas_per_process, split_weights)
-        check_stage(zero_stage, allreduce)
+        check_stage(zero_stage, allreduce, compression)
         super().__init__(process_group_backend, timeout, start_method)
         self._devices = parse_devices(devices) if devices is not None else None
         self.replicas_per_process = len(devices) if devices is not None else replicas_per_process
@@ -233,7 +233,9 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         check_trainer_setup(trainer, self.precision_plugin, sync_batchnorm_requested(self), self.split_weights)
         replica0 = self.lightning_module
         super().setup(trainer)
-        check_setup(self.zero_stage, self.world_size, replica0)
+        check_setup(self.zero_stage, replica0)
+        if self.zero_stage:  # the strategy clips the partitions by the norm of the whole job's gradient
+            clip_through(self.precision_plugin, lambda: self.partitions)
         self.replica_set = ReplicaSet(replica0, self.replica_devices, trainer,
                                       sync_batchnorm_requested(self) and self.data_parallel, self.multi_process,
                                       partitioned=self.zero_stage > 0)
@@ -269,7 +271,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
                                          background, self.compression)
         if self.zero_stage:
-            self.partitions = partition(self.exchange, self.optimizers[0], params, self.zero_stage, self.partitions)
+            self.partitions = partition(self.exchange, self.optimizers[0], params, self.zero_stage, self.partitions,
+                                        ProcessPartition(self.process_algorithm) if self.multi_process else None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

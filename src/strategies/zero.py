@@ -17,13 +17,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
+
 from src.strategies.comm.allreduce import all_gather_, nbytes, owned_chunk, reduce_scatter_
+from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.comm.gradient_exchange import GradientExchange, in_memory_order
-from src.strategies.partitions import chunk_bounds, owned_segments
+from src.strategies.partitions import chunk_bounds, owned_bounds, owned_segments
 from src.timeline.labels import phase
 
 ZERO_STAGES = (0, 1, 2)
@@ -31,24 +34,23 @@ ZERO_STAGES = (0, 1, 2)
 ELEMENTWISE = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 
-def check_stage(stage: int, allreduce: str = "ring") -> None:
-    """Raises ValueError unless `stage` is 0, 1 or 2, and the in-process allreduce is the ring when it is not 0."""
+def check_stage(stage: int, allreduce: str = "ring", compression: str = "none") -> None:
+    """Raises ValueError unless `stage` is 0, 1 or 2, and, when it is not 0, the in-process allreduce is the ring and
+    the processes exchange gradients exactly (`compression: none`)."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be 0 (every replica holds everything), 1 (optimizer state partitioned) "
                          f"or 2 (optimizer state and gradients partitioned), got {stage!r}")
     if stage and allreduce != "ring":
         raise ValueError(f"zero_stage {stage} partitions the state over the ring's chunks; allreduce: {allreduce} has "
                          "none. Use allreduce: ring, or zero_stage: 0")
+    if stage and compression != "none":
+        raise ValueError(f"zero_stage {stage} reduce-scatters the exact gradients; compression: {compression} sends "
+                         "approximations of whole buckets. Turn one off: compression: none, or zero_stage: 0")
 
 
-def check_setup(stage: int, processes: int, module: nn.Module) -> None:
-    """Raises RuntimeError for a `stage` other than 0 in a job of several processes, and for stage 2 with a
-    LightningModule that overrides `configure_gradient_clipping` (its parameters' `.grad` are freed by then: the
-    strategy's partitions hold the reduced gradient, which Lightning's own clipping reads)."""
-    if stage and processes > 1:
-        raise RuntimeError(f"zero_stage {stage} partitions the state among one process's replicas; this job has "
-                           f"{processes} processes. Run one process with K replicas (trainer.devices: 1, "
-                           "replicas_per_process: K), or zero_stage: 0")
+def check_setup(stage: int, module: nn.Module) -> None:
+    """Raises RuntimeError for stage 2 with a LightningModule that overrides `configure_gradient_clipping` (its
+    parameters' `.grad` are freed by then: the partitions hold the reduced gradient, which the strategy clips)."""
     if stage == 2 and is_overridden("configure_gradient_clipping", module):
         raise RuntimeError(f"zero_stage 2 frees each parameter's .grad once its bucket is reduce-scattered, so "
                            f"{type(module).__name__}.configure_gradient_clipping would find none. Clip with "
@@ -91,15 +93,19 @@ class Partitions:
         replica_params: K lists of parameters, entry i of each the same parameter on another replica.
         buckets: The exchange's buckets, as parameter indices (`bucket_indices`).
         stage: 1 (optimizer state partitioned) or 2 (gradients as well).
+        processes: With several processes, the reduce-scatter and all-gather between them: local replica k's chunk
+            of a bucket is then reduce-scattered across the processes, and this process's part of it is replica
+            k's partition (N = P x K partitions in all). None: one process.
 
     Raises:
         RuntimeError: From `check_partitionable`, or a parameter that is neither contiguous nor channels_last.
     """
 
     def __init__(self, source: Optimizer, replica_params: list[list[nn.Parameter]], buckets: list[list[int]],
-                 stage: int) -> None:
+                 stage: int, processes: ProcessPartition | None = None) -> None:
         check_partitionable(source)
-        self.source, self.params, self.stage = source, replica_params, stage
+        self.source, self.params, self.stage, self.processes = source, replica_params, stage, processes
+        between = processes.owned if processes is not None else None
         self.k = len(replica_params)
         self.group_of = {i: g for g, group in enumerate(source.param_groups) for i, p in enumerate(replica_params[0])
                          if any(p is q for q in group["params"])}
@@ -108,8 +114,11 @@ class Partitions:
         trainable = [[i for i in b if replica_params[0][i].requires_grad] for b in buckets]
         self.buckets = [b for b in trainable if b]
         self._number = {b[0]: n for n, b in enumerate(self.buckets)}
-        self.segments = [[owned_segments(b, [replica_params[0][i].numel() for i in b], r, self.k)
+        self.segments = [[owned_segments(b, [replica_params[0][i].numel() for i in b], r, self.k, between)
                           for r in range(self.k)] for b in self.buckets]  # [bucket][replica]
+        numels = [sum(replica_params[0][i].numel() for i in b) for b in self.buckets]
+        self._chunk = [[chunk_bounds(n, self.k, owned_chunk(r, self.k)) for r in range(self.k)] for n in numels]
+        self._owned = [[owned_bounds(n, r, self.k, between) for r in range(self.k)] for n in numels]
         self._views = [[[memory_view(replica_params[r][s.param])[s.start:s.stop] for s in self.segments[b][r]]
                         for r in range(self.k)] for b in range(len(self.buckets))]
         self.optimizer, self._group_source = self._make_optimizer()
@@ -158,7 +167,9 @@ class Partitions:
                     else:
                         parts.append(memory_view(p.grad))
                 flats.append(torch.cat(parts))
-            self._had_grad.update(i for j, i in enumerate(param_ids) if any(g[j].grad is not None for g in members))
+            # with several processes every trainable parameter takes part and is updated (as under stage 0)
+            self._had_grad.update(i for j, i in enumerate(param_ids)
+                                  if self.processes is not None or any(g[j].grad is not None for g in members))
             if self.stage >= 2:  # the bucket's whole gradients are freed now (the buffers hold them for the exchange)
                 self._note_gradient_bytes()
                 for group in members:
@@ -166,7 +177,10 @@ class Partitions:
                         p.grad = None
             sent = reduce_scatter_(flats)
             b = self._bucket_number(param_ids)
-            bounds = [chunk_bounds(flats[0].numel(), self.k, owned_chunk(r, self.k)) for r in range(self.k)]
+            if self.processes is not None:  # each local chunk across the processes: this process keeps its part
+                for r, (first, last) in enumerate(self._chunk[b]):
+                    sent[r] += self.processes.reduce_scatter_(flats[r][first:last])
+            bounds = self._owned[b]
             if self.stage == 1:  # the reduced chunk goes back into the replica's own gradients, for its segments
                 for r, (flat, (lo, _)) in enumerate(zip(flats, bounds)):
                     for seg in self.segments[b][r]:
@@ -247,6 +261,9 @@ class Partitions:
             with phase(f"all-gather bucket {b} (parameters)"):
                 views = [[memory_view(ps[i]) for i in bucket] for ps in self.params]
                 flats = [torch.cat(v) for v in views]
+                if self.processes is not None:  # first each local chunk whole, from every process's part
+                    for r, (first, last) in enumerate(self._chunk[b]):
+                        sent[r] += self.processes.all_gather_(flats[r][first:last])
                 for r, n in enumerate(all_gather_(flats)):
                     sent[r] += n
                 for v, flat in zip(views, flats):
@@ -286,11 +303,54 @@ class Partitions:
                     entry = out.setdefault(s.param, {})
                     for key, val in state.items():
                         if torch.is_tensor(val) and val.dim() == 1:
-                            whole = entry.setdefault(key, torch.empty_like(target, dtype=val.dtype))
+                            whole = entry.setdefault(key, torch.zeros_like(target, dtype=val.dtype))
                             memory_view(whole)[s.start:s.stop] = val.to(whole.device)
                         else:
                             entry.setdefault(key, val.clone() if torch.is_tensor(val) else val)
+        return out if self.processes is None else self._summed_over_processes(out)
+
+    def _summed_over_processes(self, out: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """`full_state` of every process added up (a collective: every process calls it). Each element belongs to
+        one replica of the job and the others hold zeros there, so the sum is the whole state. A process that holds
+        no part of a parameter learns its state's keys (and scalars, such as Adam's step) from the others."""
+        local = {i: {key: (str(v.dtype), None) if torch.is_tensor(v) and v.dim() else ("", v)
+                     for key, v in entry.items()} for i, entry in out.items()}
+        found: list[Any] = [None] * self.processes.world
+        dist.all_gather_object(found, local, group=self.processes.group)
+        for structure in found:
+            for i, keys in structure.items():
+                entry = out.setdefault(i, {})
+                for key, (dtype, scalar) in keys.items():
+                    if key not in entry:
+                        entry[key] = (torch.zeros_like(self.params[0][i], dtype=getattr(torch, dtype.split(".")[-1]))
+                                      if dtype else scalar)
+        for i in sorted(out):
+            for val in out[i].values():
+                if torch.is_tensor(val) and val.dim():
+                    dist.all_reduce(val, group=self.processes.group)
         return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip the reduced gradient by its global L2 norm, from the partitions' squared norms added up over every
+        replica of the job (they hold disjoint parts of it), in float64; as `torch.nn.utils.clip_grad_norm_`:
+        scaled by max_norm / (norm + 1e-6) when that is below 1, left bitwise alone otherwise.
+
+        Returns:
+            The norm before clipping, a float64 scalar on the CPU.
+        """
+        grads = [v.grad for g in self.optimizer.param_groups for v in g["params"] if v.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64)
+        for grad in grads:
+            squares += grad.double().pow(2).sum().cpu()
+        if self.processes is not None:
+            dist.all_reduce(squares, group=self.processes.group)
+        norm = squares.sqrt()
+        scale = max_norm / (norm.item() + 1e-6)
+        if scale < 1:
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
 
     def load_full_state(self, state: dict[int, dict[str, Any]]) -> None:
         """Take each segment's part of every parameter's whole state (`full_state`'s format)."""
@@ -337,8 +397,24 @@ class Partitions:
         return out
 
 
+def clip_through(precision: Any, partitions: Callable[[], "Partitions | None"]) -> None:
+    """Make `precision` (the strategy's Lightning precision plugin) clip by norm with `Partitions.clip_grad_norm_`
+    when Lightning hands it the partitions (`trainer.gradient_clip_val`, or a module's own
+    `configure_gradient_clipping` calling `clip_gradients`): Lightning's own clipping would take the norm of this
+    process's partitions only. Other optimizers are clipped as before."""
+    lightnings = precision.clip_grad_by_norm
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        current = partitions()
+        if current is not None and optimizer is current:
+            current.clip_grad_norm_(float(clip_val))
+        else:
+            lightnings(optimizer, clip_val)
+    precision.clip_grad_by_norm = clip_grad_by_norm
+
+
 def partition(exchange: GradientExchange, source: Optimizer, params: list[list[nn.Parameter]], stage: int,
-              old: Partitions | None) -> Partitions:
+              old: Partitions | None, processes: ProcessPartition | None = None) -> Partitions:
     """New partitions over `exchange`'s buckets, which then reduce-scatter instead of allreducing.
 
     Their state comes from the `old` partitions while replica 0's optimizer `source` is the same and holds none (a
@@ -349,7 +425,7 @@ def partition(exchange: GradientExchange, source: Optimizer, params: list[list[n
         RuntimeError: From `Partitions`.
     """
     carried = old.full_state() if old is not None and old.source is source and not source.state else None
-    made = Partitions(source, params, exchange.buckets, stage)
+    made = Partitions(source, params, exchange.buckets, stage, processes)
     made.load_full_state(carried if carried is not None else made.source_state())
     source.state.clear()  # the same dict: replica 0's watch sees no new state
     exchange.bucket_fn = made.reduce_scatter_bucket_

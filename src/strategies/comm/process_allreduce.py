@@ -158,18 +158,91 @@ def ring_allreduce_(buffer: Tensor, group: dist.ProcessGroup | None = None) -> i
         return 0
     if world == 2:
         return _swap_allreduce_(buffer, 1 - rank, group)
-    sizes = ring_chunk_sizes(buffer.numel(), world)
-    chunks = list(buffer.split(sizes))
+    return _ring_phase_(buffer, "reduce_scatter", group) + _ring_phase_(buffer, "all_gather", group)
+
+
+def _ring_phase_(buffer: Tensor, phase_name: str, group: dist.ProcessGroup | None) -> int:
+    """The P - 1 steps of one half of the ring (`ring_allreduce_`) over `buffer`'s P chunks; the bytes sent."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = list(buffer.split(ring_chunk_sizes(buffer.numel(), world)))
     right, left = ((rank + 1) % world, (rank - 1) % world)
     if group is not None:  # point-to-point takes global ranks
         right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
     sent = 0
-    for phase_name in ("reduce_scatter", "all_gather"):
-        for s in range(world - 1):
-            out, into = ring_step(rank, s, world, phase_name)
-            _ring_step_(chunks[out], right, chunks[into], left, group, add=phase_name == "reduce_scatter")
-            sent += chunks[out].numel() * chunks[out].element_size()
+    for s in range(world - 1):
+        out, into = ring_step(rank, s, world, phase_name)
+        _ring_step_(chunks[out], right, chunks[into], left, group, add=phase_name == "reduce_scatter")
+        sent += chunks[out].numel() * chunks[out].element_size()
     return sent
+
+
+class ProcessPartition:
+    """The two halves of an allreduce between processes, for partitions (`src.strategies.zero`): after
+    `reduce_scatter_(buffer)` this process holds the complete sum of `owned(n)`, a range of the n-element buffer;
+    after `all_gather_(buffer)`, from each process holding its range complete, every process holds every range.
+
+    "ring": ours, the two phases of `ring_allreduce_` (rank r owns ring chunk (r + 1) mod P). "torch": the library's
+    `dist.reduce_scatter_tensor` and `dist.all_gather_into_tensor` (rank r owns chunk r of ceil(n / P) elements; the
+    buffer is padded with zeros to P of them). Both in place, both returning the bytes this process sent (for
+    "torch", what the ring would send: the backend does not say).
+
+    Args:
+        name: "ring" or "torch".
+        group: Process group (default: the world).
+
+    Raises:
+        ValueError: For another name.
+    """
+
+    def __init__(self, name: str, group: dist.ProcessGroup | None = None) -> None:
+        check_choice("process_allreduce", name, BETWEEN_PROCESSES)
+        self.name, self.group = name, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def owned(self, n: int) -> tuple[int, int]:
+        """[first, last) of the range of an n-element buffer that this process holds complete after the
+        reduce-scatter."""
+        if self.name == "ring":
+            sizes = ring_chunk_sizes(n, self.world)
+            c = (self.rank + 1) % self.world
+            return sum(sizes[:c]), sum(sizes[:c + 1])
+        m = -(-n // self.world)
+        return min(n, self.rank * m), min(n, (self.rank + 1) * m)
+
+    def _bytes(self, buffer: Tensor) -> int:
+        return (self.world - 1) * -(-buffer.numel() // self.world) * buffer.element_size()
+
+    def reduce_scatter_(self, buffer: Tensor) -> int:
+        """Sum `buffer` over the processes into this process's range (`owned`); the rest then holds partial sums."""
+        if self.world == 1 or not buffer.numel():
+            return 0
+        with phase("reduce-scatter (processes)"):
+            if self.name == "ring":
+                return _ring_phase_(buffer, "reduce_scatter", self.group)
+            m = -(-buffer.numel() // self.world)
+            padded = torch.zeros(m * self.world, dtype=buffer.dtype, device=buffer.device)
+            padded[:buffer.numel()] = buffer
+            out = torch.empty(m, dtype=buffer.dtype, device=buffer.device)
+            dist.reduce_scatter_tensor(out, padded, group=self.group)
+            first, last = self.owned(buffer.numel())
+            buffer[first:last] = out[:last - first]
+            return self._bytes(buffer)
+
+    def all_gather_(self, buffer: Tensor) -> int:
+        """Fill every process's range of `buffer` from the process that holds it complete."""
+        if self.world == 1 or not buffer.numel():
+            return 0
+        with phase("all-gather (processes)"):
+            if self.name == "ring":
+                return _ring_phase_(buffer, "all_gather", self.group)
+            m = -(-buffer.numel() // self.world)
+            first, last = self.owned(buffer.numel())
+            mine = torch.zeros(m, dtype=buffer.dtype, device=buffer.device)
+            mine[:last - first] = buffer[first:last]
+            out = torch.empty(m * self.world, dtype=buffer.dtype, device=buffer.device)
+            dist.all_gather_into_tensor(out, mine, group=self.group)
+            buffer.copy_(out[:buffer.numel()])
+            return self._bytes(buffer)
 
 
 def ring_bytes(numel: int, element_size: int, world: int, rank: int) -> int:
