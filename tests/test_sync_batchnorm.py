@@ -133,3 +133,13 @@ def test_without_sync_ours_equals_ddp_on_a_batchnorm_net(tiny_data_dir):
     ours, _, _ = _ours(tiny_data_dir, 2, sync=False)
     theirs, _, _ = fit(tiny_data_dir, ddp(), model_cls=_BNNet, steps=4, batch_size=24, devices=2)
     assert _state_diff(ours.state_dict(), theirs.state_dict()) <= 1e-9  # both normalise each shard on its own
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sync_batchnorm_with_partitioned_state_equals_one_device(tiny_data_dir, single, stage):
+    """Sync BatchNorm changes the forward pass, `zero_stage` the exchange and update after it: together still one
+    device's result (float64)."""
+    state, _ = single(24)
+    strategy = SplitAllreduceStrategy(devices=["cpu"] * 2, zero_stage=stage)
+    _, _, snap = fit(tiny_data_dir, strategy, model_cls=_BNNet, steps=4, batch_size=24, sync_batchnorm=True)
+    assert _state_diff(state, snap.states[0]) < 1e-9
