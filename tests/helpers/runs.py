@@ -149,3 +149,16 @@ def stop_then_resume(data_dir: Path, ckpt_dir: Path, first: tuple, then: tuple) 
     resumed, _, _ = fit(data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(ckpt_dir / "last.ckpt"),
                         **common)
     return reference, ckpt, resumed
+
+
+def assert_optimizer_state_as_one_devices(saved: Path, expected: Path) -> None:
+    """The optimizer state in checkpoint `saved` is one device's, as in checkpoint `expected`: the same param groups
+    and entries, each parameter's SGD momentum in its own shape and within 1e-9 (float64)."""
+    saved_state = torch.load(saved, weights_only=False)["optimizer_states"][0]
+    expected_state = torch.load(expected, weights_only=False)["optimizer_states"][0]
+    assert saved_state["param_groups"] == expected_state["param_groups"]
+    assert saved_state["state"].keys() == expected_state["state"].keys()
+    for i, entry in expected_state["state"].items():
+        buffer = saved_state["state"][i]["momentum_buffer"]
+        assert buffer.shape == entry["momentum_buffer"].shape
+        assert (buffer - entry["momentum_buffer"]).abs().max().item() < 1e-9
