@@ -4,6 +4,7 @@
     python -m benchmarks.strategy_step --rounds 5 --steps 40 --k 2
     python -m benchmarks.strategy_step --overlap --bucket_cap_mb 0.1   # adds K replicas with `overlap`
     python -m benchmarks.strategy_step --zero --k 2 --steps 8 --rounds 2 --batch 32   # ResNet-18, zero_stage 0/1/2
+    python -m benchmarks.strategy_step --zero --processes 2 --k 1 --steps 8 --rounds 2 --batch 32   # 2 x 1
 
 Runs the real Trainer for `--steps` optimizer steps per trial, alternating single, K replicas, single, ...
 (`--rounds` times each), and reports the median seconds per step of each and their ratio, measured in the
@@ -15,6 +16,7 @@ and 2 (with `overlap`) alternated, each stage's step time against stage 0's and 
 """
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -36,10 +38,15 @@ warnings.filterwarnings("ignore")
 class StepTimer(pl.Callback):
     """Wall-clock seconds of each training batch (forward, backward, allreduce, optimizer step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: str | None = None) -> None:
         self.seconds: list[float] = []
         self._t = 0.0
         self.held = HeldAtLastStep()
+        self.report = report  # with several processes: rank 0 writes its seconds and bytes held to this file
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.report is not None and trainer.global_rank == 0:
+            Path(self.report).write_text(json.dumps({"seconds": self.seconds, "held": self.held.held}))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t = time.perf_counter()
@@ -59,16 +66,21 @@ def data_dir() -> str:
     return str(root)
 
 
-def run(strategy, steps: int, batch: int, root: str, model: pl.LightningModule | None = None
+def run(strategy, steps: int, batch: int, root: str, model: pl.LightningModule | None = None, processes: int = 1
         ) -> tuple[list[float], pl.Trainer]:
-    """Fit `steps` steps of `model` (default LeNet, SGD, momentum 0.9) and return each step's seconds."""
+    """Fit `steps` steps of `model` (default LeNet, SGD, momentum 0.9) on `processes` processes and return each step's
+    seconds (rank 0's)."""
     pl.seed_everything(0, verbose=False)
-    timer = StepTimer()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, limit_val_batches=0,
+    report = tempfile.mktemp(prefix="step-times-") if processes > 1 else None
+    timer = StepTimer(report)
+    trainer = pl.Trainer(accelerator="cpu", devices=processes, strategy=strategy, max_steps=steps, limit_val_batches=0,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[timer, timer.held])
     trainer.fit(model or LeNetClassifier(lr=0.1, momentum=0.9),
                 FashionMNISTDataModule(root, batch_size=batch, download=False))
+    if report is not None:  # the processes were forked: rank 0 wrote what it measured
+        measured = json.loads(Path(report).read_text())
+        timer.seconds, timer.held.held = measured["seconds"], measured["held"]
     return timer.seconds, trainer
 
 
@@ -84,7 +96,8 @@ class HeldAtLastStep(pl.Callback):
 
 
 def zero_stages(args: argparse.Namespace, root: str) -> None:
-    """ResNet-18 on K replicas at zero_stage 0, 1 and 2, alternated, for SGD with momentum and for Adam."""
+    """ResNet-18 on P processes (forked, gloo) x K replicas at zero_stage 0, 1 and 2, alternated, for SGD with
+    momentum and for Adam."""
     from src.models.classifier import ResNet18Classifier
 
     for optimizer in ("sgd", "adam"):
@@ -92,15 +105,17 @@ def zero_stages(args: argparse.Namespace, root: str) -> None:
         held: dict[int, list[dict[str, int]]] = {}
         for r in range(args.rounds):
             for stage in medians:
-                strategy = SplitAllreduceStrategy(devices=["cpu"] * args.k, zero_stage=stage, overlap=stage == 2)
+                strategy = SplitAllreduceStrategy(devices=["cpu"] * args.k, zero_stage=stage, overlap=stage == 2,
+                                                  start_method="fork", process_group_backend="gloo")
                 model = ResNet18Classifier(optimizer=optimizer, lr=0.01 if optimizer == "sgd" else 1e-3)
-                seconds, trainer = run(strategy, args.steps, args.batch, root, model)
+                seconds, trainer = run(strategy, args.steps, args.batch, root, model, args.processes)
                 medians[stage].append(statistics.median(seconds[2:]))
                 held[stage] = next(c for c in trainer.callbacks if isinstance(c, HeldAtLastStep)).held
             print(f"{optimizer} round {r + 1}: " + ", ".join(f"stage {s} {m[-1] * 1e3:.0f} ms/step"
                                                             for s, m in medians.items()))
         base = statistics.median(medians[0])
-        print(f"\nResNet-18, {optimizer}, K={args.k}, global batch {args.batch} (MiB per replica, the largest)")
+        print(f"\nResNet-18, {optimizer}, P={args.processes} x K={args.k}, global batch {args.batch} (MiB per replica, "
+              "the largest of rank 0's)")
         print("| stage | parameters | gradients at peak | gradients at the update | optimizer state | step "
               "| vs stage 0 |")
         print("|---|---|---|---|---|---|---|")
@@ -120,6 +135,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="also time K replicas with overlap: true")
     parser.add_argument("--bucket_cap_mb", type=float, default=25.0, help="bucket size of the K-replica runs")
     parser.add_argument("--zero", action="store_true", help="ResNet-18 at zero_stage 0, 1, 2 instead")
+    parser.add_argument("--processes", type=int, default=1, help="with --zero: P processes of K replicas (forked)")
     args = parser.parse_args()
     root = data_dir()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
