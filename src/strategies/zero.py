@@ -1,12 +1,14 @@
-"""ZeRO stages 1 and 2 among one process's K replicas: each replica keeps the optimizer state of its own partition
-only (`src.strategies.partitions`), and under stage 2 only its partition's reduced gradient.
+"""ZeRO stages 1 and 2 over the N = P x K replicas of a job: each replica keeps the optimizer state of its own
+partition only (`src.strategies.partitions`), and under stage 2 only its partition's reduced gradient.
 
-A step, bucket by bucket: the ring's reduce-scatter (`src.strategies.comm.allreduce.reduce_scatter_`) leaves
-replica k holding the complete gradient sum of its chunk; replica k updates the parameters of that chunk with
-the optimizer's own elementwise update; the ring's all-gather, of the parameters this time, makes every replica
-whole again. The bytes sent are those of one ring allreduce. Rajbhandari et al., "ZeRO: Memory Optimizations
-Toward Training Trillion Parameter Models", SC 2020, sections 5.1 and 5.2 (P_os, P_os+g); torch's
-`ZeroRedundancyOptimizer` partitions whole parameters instead, DeepSpeed's stages 1 and 2 flat buffers as here.
+A step, bucket by bucket: the ring's reduce-scatter (`src.strategies.comm.allreduce.reduce_scatter_`) leaves local
+replica k holding its process's sum of one chunk, and with several processes a reduce-scatter between them
+(`src.strategies.comm.process_allreduce.ProcessPartition`) leaves it the complete sum of its process's part of
+that chunk; each replica updates the parameters of its partition with the optimizer's own elementwise update; the
+two all-gathers, of the parameters this time, make every replica whole again. The bytes sent are those of the
+allreduce they replace. Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020, sections 5.1 and 5.2 (P_os, P_os+g); torch's `ZeroRedundancyOptimizer` partitions whole
+parameters instead, DeepSpeed's stages 1 and 2 flat buffers as here.
 
 The update is the same arithmetic as on one device because SGD, Adam and AdamW update every element from that
 element's gradient and state alone: the optimizer of the run's own class steps 1-D views of the partition's
@@ -18,14 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-
 from src.strategies.comm.allreduce import all_gather_, nbytes, owned_chunk, reduce_scatter_
-from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.comm.gradient_exchange import GradientExchange, in_memory_order
+from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.partitions import chunk_bounds, owned_bounds, owned_segments
 from src.timeline.labels import phase
 
