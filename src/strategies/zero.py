@@ -108,8 +108,9 @@ class Partitions:
         self.source, self.params, self.stage, self.processes = source, replica_params, stage, processes
         between = processes.owned if processes is not None else None
         self.k = len(replica_params)
-        self.group_of = {i: g for g, group in enumerate(source.param_groups) for i, p in enumerate(replica_params[0])
-                         if any(p is q for q in group["params"])}
+        index = {id(p): i for i, p in enumerate(replica_params[0])}
+        self.group_of = {index[id(p)]: g for g, group in enumerate(source.param_groups) for p in group["params"]
+                         if id(p) in index}
         # the buckets as the exchange reduces them: every parameter that requires a gradient (one outside the
         # optimizer too, whose segments are then exchanged but not updated, as on one device)
         trainable = [[i for i in b if replica_params[0][i].requires_grad] for b in buckets]
@@ -338,12 +339,13 @@ class Partitions:
         scaled by max_norm / (norm + 1e-6) when that is below 1, left bitwise alone otherwise.
 
         Returns:
-            The norm before clipping, a float64 scalar on the CPU.
+            The norm before clipping, a float64 scalar on replica 0's device (where the processes' backend
+            exchanges it: gloo on the CPU, NCCL on a GPU).
         """
         grads = [v.grad for g in self.optimizer.param_groups for v in g["params"] if v.grad is not None]
-        squares = torch.zeros((), dtype=torch.float64)
-        for grad in grads:
-            squares += grad.double().pow(2).sum().cpu()
+        squares = torch.zeros((), dtype=torch.float64, device=self.params[0][0].device)
+        for grad in grads:  # added on the device, so that the only wait for the host is the one below
+            squares += grad.double().pow(2).sum().to(squares.device)
         if self.processes is not None:
             dist.all_reduce(squares, group=self.processes.group)
         norm = squares.sqrt()
