@@ -29,7 +29,7 @@ from src.run.lightning_compat import fix_version_before_launch, give_lost_rank_r
 from src.run.matmul_precision import choose as choose_matmul_precision
 from src.run.hparams_table import length_words
 from src.run.logger import RunLogger, run_hparams, run_tag
-from src.run.progress import lines_when_not_a_terminal
+from src.run.progress import lines_when_not_a_terminal, summary_on_stderr
 from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads, saved_threads
 from src.strategies.compression_state import KEY as COMPRESSION_KEY
@@ -78,6 +78,7 @@ class CLI(LightningCLI):
                 self.trainer.callbacks.append(callback())  # ProcessGroupCleanup reaches ddp_spawn's workers too
         config = self.config_init[self.subcommand]
         lines_when_not_a_terminal(self.trainer, self.config[self.subcommand].trainer)  # no `\r` bar into a file
+        summary_on_stderr(self.trainer, self.config[self.subcommand].trainer)  # the same output with `rich` or not
         layout = parallel_layout(self.trainer.strategy)
         processes = layout.processes // max(self.trainer.num_nodes, 1)
         choose_matmul_precision({d.type for d in layout.replica_devices})  # TF32 on all-GPU runs (see the module)

@@ -72,10 +72,9 @@ def one_device(tiny_data_dir, tmp_path_factory):
     return {k: v.clone() for k, v in cli.model.state_dict().items()}
 
 
-# overlay, its extra options, the run's layout folder and the epoch line's layout words
+# overlay, its extra options, the run's layout folder and the epoch line's layout words. Ours with one replica per
+# machine runs over the lab in the killed-machine test below, which also ends within 1e-9 of one device.
 LAYOUTS = {
-    "ours-2x1": ("configs/strategy/split_allreduce_processes.yaml", [], "split_allreduce-2x1-cpu",
-                 "2 processes x 1 replica on cpu (1 thread each)"),
     # both replicas of a machine share its one core
     "ours-2x2": ("configs/strategy/split_allreduce_processes.yaml",
                  ["--trainer.strategy.init_args.replicas_per_process", "2"], "split_allreduce-2x2-cpu",

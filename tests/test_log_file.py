@@ -27,6 +27,8 @@ def test_fit_into_a_file_writes_lines_not_a_bar(fast_args, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "\r" not in text, text[:2000]
     assert re.search(r"^epoch 0: val acc [0-9.]+, [0-9.]+ sec/epoch, .*images/s", text, re.MULTILINE), text
+    # the model summary goes to stderr also where `rich` is installed (a dev dependency, so here it is)
+    assert "Trainable params" not in text and "Trainable params" in done.stderr, text[:2000]
 
 
 def _trainer() -> pl.Trainer:
@@ -49,6 +51,21 @@ def test_which_output(monkeypatch, terminal, asked, configured, expected):
                                                  "callbacks": [type("Config", (), c)() for c in configured]})
     assert type(trainer.progress_bar_callback) is (default if expected == "default" else expected)
     assert sum(isinstance(c, pl.callbacks.ProgressBar) for c in trainer.callbacks) == 1
+
+
+@pytest.mark.parametrize("configured", [[], [{"class_path": "lightning.pytorch.callbacks.RichModelSummary"}]])
+def test_the_default_summary_is_the_plain_one_with_rich_installed(configured):
+    """Lightning picks rich's table by default where `rich` is installed (it is, as a dev dependency): the control.
+    The run swaps it for the plain summary of the same depth, unless the config names a summary itself."""
+    import rich  # noqa: F401  the swap is only tested where Lightning would choose rich's table
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    summaries = [c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelSummary)]
+    assert [type(c) for c in summaries] == [pl.callbacks.RichModelSummary]
+    progress.summary_on_stderr(trainer, {"callbacks": [type("Config", (), c)() for c in configured]})
+    after = [c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelSummary)]
+    expected = pl.callbacks.RichModelSummary if configured else pl.callbacks.ModelSummary
+    assert [type(c) for c in after] == [expected] and after[0]._max_depth == summaries[0]._max_depth
 
 
 def test_line_output_prints_whole_lines_on_rank_zero_only(capsys):

@@ -1,4 +1,5 @@
-"""Progress output that suits where stdout goes: Lightning's bar on a terminal, whole lines in a file.
+"""Progress output that suits where stdout goes: Lightning's bar on a terminal, whole lines in a file; and the
+model summary on stderr whether or not the `rich` package is installed.
 
 Lightning's TQDM bar redraws itself on stdout with `\\r` many times a second: one moving line on a terminal, but
 megabytes of partial lines in a file (`bash scripts/main_job.sh > log`). When stdout is not a terminal and the
@@ -22,6 +23,7 @@ import sys
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 
 
@@ -68,16 +70,34 @@ def lines_when_not_a_terminal(trainer: pl.Trainer, trainer_config: Any) -> None:
     bar = trainer.progress_bar_callback
     if bar is None or trainer_config.get("enable_progress_bar") is not None or stdout_is_terminal():
         return
-    if any(_is_progress_bar(getattr(c, "class_path", None)) for c in trainer_config.get("callbacks") or []):
+    if any(_names_a(ProgressBar, getattr(c, "class_path", None)) for c in trainer_config.get("callbacks") or []):
         return  # the config names its bar itself
     trainer.callbacks = [LineOutput() if c is bar else c for c in trainer.callbacks]
 
 
-def _is_progress_bar(class_path: str | None) -> bool:
-    """Whether `class_path` names a progress bar class (False for anything that cannot be imported)."""
+def summary_on_stderr(trainer: pl.Trainer, trainer_config: Any) -> None:
+    """Replace the rich table Lightning chose by default for the model summary with its plain summary.
+
+    Lightning 2.6 adds `RichModelSummary` when the `rich` package is installed, which prints its table to stdout
+    (through rich's console), and `ModelSummary` otherwise, which logs the same figures to stderr. What stdout holds
+    must not depend on an optional package (README.md: a log of stdout holds the epoch lines), so the default is
+    always the plain summary, at the same depth. A summary named in `trainer.callbacks` is left alone.
+
+    Args:
+        trainer: The built Trainer.
+        trainer_config: The `trainer` section of the CLI's config as parsed (`callbacks` as class paths).
+    """
+    if any(_names_a(ModelSummary, getattr(c, "class_path", None)) for c in trainer_config.get("callbacks") or []):
+        return
+    trainer.callbacks = [ModelSummary(max_depth=c._max_depth) if type(c) is RichModelSummary else c
+                         for c in trainer.callbacks]
+
+
+def _names_a(base: type, class_path: str | None) -> bool:
+    """Whether `class_path` names a subclass of `base` (False for anything that cannot be imported)."""
     module, _, name = (class_path or "").rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         return False
-    return isinstance(cls, type) and issubclass(cls, ProgressBar)
+    return isinstance(cls, type) and issubclass(cls, base)
