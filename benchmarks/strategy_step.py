@@ -5,6 +5,7 @@
     python -m benchmarks.strategy_step --overlap --bucket_cap_mb 0.1   # adds K replicas with `overlap`
     python -m benchmarks.strategy_step --zero --k 2 --steps 8 --rounds 2 --batch 32   # ResNet-18, zero_stage 0/1/2
     python -m benchmarks.strategy_step --zero --processes 2 --k 1 --steps 8 --rounds 2 --batch 32   # 2 x 1
+    python -m benchmarks.strategy_step --fsdp --steps 8 --rounds 2 --batch 32   # Lightning's DDP and FSDP, 2 x 1
 
 Runs the real Trainer for `--steps` optimizer steps per trial, alternating single, K replicas, single, ...
 (`--rounds` times each), and reports the median seconds per step of each and their ratio, measured in the
@@ -12,7 +13,9 @@ same run (machines here are shared and noisy: compare ratios, not absolute times
 each device sent in one step for both allreduce algorithms and K = 2, 3, 4, next to the ring's
 2(K-1)/K * N. With `--zero`: ResNet-18 with SGD (momentum 0.9) and with Adam on K replicas at `zero_stage` 0, 1
 and 2 (with `overlap`) alternated, each stage's step time against stage 0's and what each replica holds
-(`SplitAllreduceStrategy.model_state_bytes`, at the last step).
+(`SplitAllreduceStrategy.model_state_bytes`, at the last step). With `--fsdp`: the same ResNet-18 runs on 2
+processes under Lightning's DDP and under FSDP (`src.strategies.fsdp.CPUFSDPStrategy`) with SHARD_GRAD_OP and
+FULL_SHARD, alternated; Lightning starts rank 1 by running this same command again, which then takes the same steps.
 """
 
 import argparse
@@ -91,8 +94,17 @@ class HeldAtLastStep(pl.Callback):
         self.held: list[dict[str, int]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if isinstance(trainer.strategy, SplitAllreduceStrategy):
+        if hasattr(trainer.strategy, "model_state_bytes"):  # ours, and FSDP's shards (src/strategies/fsdp.py)
             self.held = trainer.strategy.model_state_bytes()
+        else:  # DDP: every process holds the whole model state
+
+            def nbytes(tensors) -> int:
+                return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+            grads = nbytes(p.grad for p in pl_module.parameters())
+            state = nbytes(t for st in trainer.optimizers[0].state.values() for t in st.values())
+            self.held = [{"parameters": nbytes(pl_module.parameters()), "gradients": grads,
+                          "gradients_at_update": grads, "optimizer_state": state}]
 
 
 def zero_stages(args: argparse.Namespace, root: str) -> None:
@@ -126,6 +138,49 @@ def zero_stages(args: argparse.Namespace, root: str) -> None:
                   f"{statistics.median(m) / base:.3f} |")
 
 
+def fsdp_beside(args: argparse.Namespace, root: str) -> None:
+    """ResNet-18 on 2 processes under Lightning's DDP and under FSDP (SHARD_GRAD_OP, FULL_SHARD), alternated, for SGD
+    with momentum and for Adam: each step time against DDP's, and what rank 0 holds between steps."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from src.models.classifier import ResNet18Classifier
+    from src.strategies.fsdp import CPUFSDPStrategy
+
+    variants = {"DDP": lambda: DDPStrategy(process_group_backend="gloo")}
+    for sharding in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        variants[f"FSDP {sharding}"] = lambda s=sharding: CPUFSDPStrategy(sharding_strategy=s,
+                                                                          process_group_backend="gloo")
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"  # rank 1 runs this command too, and prints nothing
+    for optimizer in ("sgd", "adam"):
+        medians: dict[str, list[float]] = {name: [] for name in variants}
+        held: dict[str, list[dict[str, int]]] = {}
+        for r in range(args.rounds):
+            for name, make in variants.items():
+                model = ResNet18Classifier(optimizer=optimizer, lr=0.01 if optimizer == "sgd" else 1e-3)
+                timer = StepTimer()
+                pl.seed_everything(0, verbose=False)
+                trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=make(), max_steps=args.steps,
+                                     limit_val_batches=0, logger=False, enable_checkpointing=False,
+                                     enable_progress_bar=False, enable_model_summary=False,
+                                     callbacks=[timer, timer.held])
+                trainer.fit(model, FashionMNISTDataModule(root, batch_size=args.batch, download=False))
+                medians[name].append(statistics.median(timer.seconds[2:]))
+                held[name] = timer.held.held
+            if rank0:
+                print(f"{optimizer} round {r + 1}: " + ", ".join(f"{n} {m[-1] * 1e3:.0f} ms/step"
+                                                                for n, m in medians.items()))
+        if not rank0:
+            continue
+        base = statistics.median(medians["DDP"])
+        print(f"\nResNet-18, {optimizer}, 2 processes, global batch {args.batch} (MiB held by rank 0 after a step)")
+        print("| strategy | parameters | gradients | optimizer state | step | vs DDP |")
+        print("|---|---|---|---|---|---|")
+        for name, m in medians.items():
+            h = {key: value / 2**20 for key, value in held[name][0].items()}
+            print(f"| {name} | {h['parameters']:.1f} | {h['gradients']:.1f} | {h['optimizer_state']:.1f} | "
+                  f"{statistics.median(m) * 1e3:.0f} ms | {statistics.median(m) / base:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, default=2, help="replicas for the timed comparison")
@@ -136,12 +191,15 @@ def main() -> None:
     parser.add_argument("--bucket_cap_mb", type=float, default=25.0, help="bucket size of the K-replica runs")
     parser.add_argument("--zero", action="store_true", help="ResNet-18 at zero_stage 0, 1, 2 instead")
     parser.add_argument("--processes", type=int, default=1, help="with --zero: P processes of K replicas (forked)")
+    parser.add_argument("--fsdp", action="store_true", help="ResNet-18 under Lightning's DDP and FSDP on 2 processes")
     args = parser.parse_args()
     root = data_dir()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"lightning {pl.__version__}, {torch.get_num_threads()} threads, data: {root}")
     if args.zero:
         return zero_stages(args, root)
+    if args.fsdp:
+        return fsdp_beside(args, root)
     medians: dict[str, list[float]] = {"single": [], f"K={args.k}": []}
     if args.overlap:
         medians[f"K={args.k} overlap"] = []

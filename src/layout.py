@@ -21,7 +21,7 @@ class ParallelLayout:
     """P processes x K replicas, where they run and how their gradients are summed.
 
     Args:
-        strategy: "single", "ddp" or "split_allreduce".
+        strategy: "single", "ddp", "split_allreduce" or "fsdp" (`src.strategies.fsdp`).
         processes: P, the world size (processes on all nodes).
         replicas_per_process: K, model replicas in each process (1 under single and DDP).
         replica_devices: The devices of this process's K replicas, replica 0 first.
@@ -34,7 +34,7 @@ class ParallelLayout:
         compression: How gradients travel between processes: "none", "bf16" or "powersgd-r<rank>" (ours'
             `compression`, or torch's hook under `CompressedDDPStrategy`).
         zero_stage: Ours' `zero_stage`: 0, or 1 and 2 where each replica keeps a partition of the optimizer state
-            (and of the gradients).
+            (and of the gradients); under FSDP the stage its sharding matches (2: SHARD_GRAD_OP, 3: FULL_SHARD).
     """
 
     strategy: str
@@ -92,8 +92,8 @@ class ParallelLayout:
 
 @runtime_checkable
 class DescribesLayout(Protocol):
-    """A strategy that says its own layout (`SplitAllreduceStrategy`): the seam through which the rest of the tool
-    reads a strategy's state."""
+    """A strategy that says its own layout (`SplitAllreduceStrategy`, `CPUFSDPStrategy`): the seam through which
+    the rest of the tool reads a strategy's state."""
 
     def parallel_layout(self) -> ParallelLayout: ...
 
@@ -117,4 +117,5 @@ def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
         return ParallelLayout("single", 1, 1, (strategy.root_device,), (strategy.root_device,), "none", None)
     raise TypeError(f"strategy {type(strategy).__name__} is not one this tool runs: use trainer.strategy auto "
                     "(one device: configs/strategy/single.yaml), ddp (configs/strategy/ddp_cpu.yaml) or "
-                    "split_allreduce (configs/strategy/split_allreduce.yaml)")
+                    "split_allreduce (configs/strategy/split_allreduce.yaml); FSDP by "
+                    "configs/strategy/fsdp_cpu_full_shard.yaml")

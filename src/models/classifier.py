@@ -337,8 +337,12 @@ class ImageClassifier(pl.LightningModule):
         hp = self.hparams
         lr = self.scaled_lr()
         decay, no_decay = [], []
-        for name, p in self.net.named_parameters():
-            (no_decay if p.ndim <= 1 else decay).append(p)  # biases and BN affine: no weight decay
+        # biases and normalisation layers' affine parameters take no weight decay: told apart by name and layer kind,
+        # not by shape, since a sharding engine (FSDP with use_orig_params) hands the optimizer 1-D views of them all
+        for module in self.net.modules():
+            norm = isinstance(module, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm))
+            for name, p in module.named_parameters(recurse=False):
+                (no_decay if norm or name == "bias" else decay).append(p)
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if hp.optimizer == "sgd":
             opt = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=hp.nesterov and hp.momentum > 0)

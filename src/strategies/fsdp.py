@@ -1,0 +1,89 @@
+"""Lightning's FSDP strategy, also on the CPU: the engine beside ours' `zero_stage`, chosen by config.
+
+Lightning 2.6.6 refuses `strategy: fsdp` on the CPU (its accelerator connector checks for exactly its own
+`FSDPStrategy` class), and a subclass then hands torch `device_id=None` on the CPU, which torch refuses ("FSDP
+needs a non-CPU accelerator device"). torch's FSDP itself runs on the CPU over gloo when it is given
+`device_id=torch.device("cpu")`. So `CPUFSDPStrategy` wraps the module itself with that device and then lets
+Lightning's `_setup_model` go on with the wrapped module (which it then leaves as it is): nothing of Lightning is
+patched. It also keeps the wrapper for a later stage in the same process (the test after fit), which Lightning
+would wrap a second time. On a GPU it otherwise is Lightning's strategy.
+
+Sharding strategies (torch's `ShardingStrategy`; ZeRO stages as in Rajbhandari et al., SC 2020, and Zhao et al.,
+"PyTorch FSDP", VLDB 2023):
+    SHARD_GRAD_OP: gradients and optimizer state sharded, parameters whole from forward to backward (close to
+        ZeRO stage 2; `zero_stage` 2 in the run's layout and name).
+    FULL_SHARD: parameters too, gathered for each wrapped unit's forward and backward (ZeRO stage 3).
+"""
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from torch.nn import Module
+from typing_extensions import override
+
+from src.layout import ParallelLayout
+
+# torch's sharding strategy -> the ZeRO stage it matches, for the run's layout, name and HPARAMS column
+ZERO_STAGE = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 3}
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """`lightning.pytorch.strategies.FSDPStrategy` that also runs on the CPU (gloo). Takes Lightning's arguments,
+    e.g. `sharding_strategy: SHARD_GRAD_OP | FULL_SHARD`, `state_dict_type: full` (checkpoints in one device's
+    format), `process_group_backend: gloo`.
+
+    Each of the world_size processes takes global batch / world_size samples, as under DDP.
+    """
+
+    strategy_name = "fsdp_cpu"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._wrapper: Module | None = None  # the FSDP module of the last stage set up in this process
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        """On the CPU, wrap `model` in torch's FSDP with `device_id=torch.device("cpu")` (Lightning would pass
+        None), then let Lightning's setup finish with the wrapped module; on a GPU, Lightning's setup alone."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self._wrapper is not None and self._wrapper.module is model:
+            # a later stage in this process (the test after fit): the module's parameters are now views of this
+            # wrapper's shards, and a second wrapper would take those shards for whole parameters (Lightning's
+            # own `_setup_model` wraps again: Lightning-AI/pytorch-lightning#20373)
+            model = self._wrapper
+        wrapped = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+        if self.root_device.type == "cpu" and not wrapped:
+            kwargs = dict(self.kwargs)
+            self.kwargs.pop("auto_wrap_policy", None)  # used here; Lightning would warn that the model is wrapped
+            model = FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
+                                             mixed_precision=self.mixed_precision_config,
+                                             sharding_strategy=self.sharding_strategy, device_id=self.root_device,
+                                             **kwargs)
+        model = super()._setup_model(model)
+        self._wrapper = model if isinstance(model, FullyShardedDataParallel) else None
+        return model
+
+    def parallel_layout(self) -> ParallelLayout:
+        """P processes x 1 replica, torch's collectives between them, and the ZeRO stage its sharding matches."""
+        p = self.world_size
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        return ParallelLayout("fsdp", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
+                              "torch" if p > 1 else "none", backend if p > 1 else None,
+                              zero_stage=ZERO_STAGE[self.sharding_strategy.name])
+
+    def model_state_bytes(self) -> list[dict[str, Any]]:
+        """This process's bytes of parameters (its flat shards), gradients and optimizer state now, counted from the
+        tensors it holds, as `SplitAllreduceStrategy.model_state_bytes` counts a replica's."""
+        if self.model is None or not self.optimizers:
+            return []
+
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        state = sum(nbytes(t) for s in self.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t))
+        grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
+        return [{"parameters": sum(nbytes(p) for p in params), "gradients": grads, "gradients_at_update": grads,
+                 "optimizer_state": state}]
