@@ -3,8 +3,13 @@
 # times). Installs nothing: it uses the Python that already has the project's dependencies ($PY, else .venv's,
 # else python3), so it runs on a GPU machine without a package index. A few minutes on one H100 or H200.
 #   bash scripts/gpu_check.sh              # extra arguments go to pytest, e.g. -x
+#   bash scripts/gpu_check.sh --suite      # then the rest of the suite too, with the GPU hidden from it
+# The rest of the suite runs in a pytest of its own with CUDA_VISIBLE_DEVICES empty: those tests are the CPU's (gloo,
+# forked worker processes), and a worker process that a gpu test had given CUDA could not fork (CUDA forbids it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+suite=0
+if [ "${1:-}" = "--suite" ]; then suite=1; shift; fi
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
@@ -28,8 +33,15 @@ tests=$((SECONDS - start))
 echo "== benchmarks/gpu_check.py"   # run even after a failed test: its table says more about what broke
 bench_rc=0
 "$PY" -m benchmarks.gpu_check || bench_rc=$?
-if [ "$tests_rc" != 0 ] || [ "$bench_rc" != 0 ]; then
-  echo "== gpu_check.sh FAILED: gpu tests exit $tests_rc, benchmarks/gpu_check.py exit $bench_rc" >&2
+suite_rc=0
+if [ "$suite" = 1 ]; then
+  echo "== the rest of the suite, GPU hidden (pytest -m 'not gpu')"
+  CUDA_VISIBLE_DEVICES= "$PY" -m pytest -m "not gpu" -n "$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))" --dist worksteal -q \
+    -p no:cacheprovider "$@" || suite_rc=$?
+fi
+if [ "$tests_rc" != 0 ] || [ "$bench_rc" != 0 ] || [ "$suite_rc" != 0 ]; then
+  echo "== gpu_check.sh FAILED: gpu tests exit $tests_rc, benchmarks/gpu_check.py exit $bench_rc, rest of the suite exit" \
+       "$suite_rc" >&2
   exit 1
 fi
 echo "== gpu_check.sh passed: gpu tests ${tests} s, all $((SECONDS - start)) s"

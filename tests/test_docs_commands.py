@@ -10,6 +10,7 @@ where the docs put it. `python -m` commands run in children forked from a proces
 the libraries (tests/helpers/forkserver.py), which saves each command several seconds of imports.
 """
 
+import importlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.strategies import FSDPStrategy
 
 from tests.helpers.doc_commands import FENCE, ROOT, Command, ForkServer, expand_loop, extract
 from tests.helpers.idx import write_fashion_mnist
@@ -134,7 +136,9 @@ def _several_processes(args: list[str]) -> bool:
         trainer = (yaml.safe_load((ROOT / overlay).read_text()) or {}).get("trainer", {})
         strategy = trainer.get("strategy")
         if isinstance(strategy, dict) and "class_path" in strategy and int(trainer.get("devices", 1)) > 1:
-            return True
+            module, _, name = strategy["class_path"].rpartition(".")
+            # Lightning's FSDP strategy takes no start_method: it runs the command line again
+            return not issubclass(getattr(importlib.import_module(module), name), FSDPStrategy)
     return False
 
 
