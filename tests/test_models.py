@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from torch import nn
 
 from src.models import LeNet, ResNet18, init_weights
+from src.models.classifier import LeNetClassifier, ResNet18Classifier
 
 
 @pytest.mark.parametrize("net", [LeNet(), ResNet18()], ids=["lenet", "resnet18"])
@@ -37,3 +39,22 @@ def test_init_schemes():
     assert abs(w.std().item() - 0.01) < 0.003 and net.features[0].bias.abs().sum() == 0
     with pytest.raises(ValueError, match="unknown init"):
         init_weights(net, "xavier")
+
+
+@pytest.mark.parametrize("cls", [LeNetClassifier, ResNet18Classifier])
+def test_weight_decay_skips_biases_and_normalisation_layers_whatever_their_shape(cls):
+    """The no-decay group holds the biases and BatchNorm's weights and biases, chosen by name and layer kind: under
+    FSDP the optimizer gets 1-D views of every parameter, which a rule by shape would all exempt from decay."""
+    model = cls(weight_decay=1e-3, scheduler="constant", warmup_epochs=0)  # the optimizer alone, no schedule
+    decay, no_decay = model.configure_optimizers().param_groups
+    assert decay["weight_decay"] == 1e-3 and no_decay["weight_decay"] == 0.0
+    expected = {id(p) for m in model.net.modules() for n, p in m.named_parameters(recurse=False)
+                if n == "bias" or isinstance(m, nn.BatchNorm2d)}
+    assert {id(p) for p in no_decay["params"]} == expected
+    assert all(p.ndim > 1 for p in decay["params"]) and len(decay["params"]) + len(expected) == len(
+        list(model.parameters()))
+    with torch.no_grad():  # flattened as FSDP hands them over: the groups stay the same
+        for p in model.net.parameters():
+            p.data = p.data.reshape(-1)
+    again_decay, again_no_decay = model.configure_optimizers().param_groups
+    assert {id(p) for p in again_no_decay["params"]} == expected and len(again_decay["params"]) == len(decay["params"])
