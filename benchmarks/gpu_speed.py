@@ -207,10 +207,13 @@ def bare_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile_
 
 @dataclass
 class FitResult:
-    """One CLI fit: training seconds of each epoch, and the test accuracy of the evaluated weights (or None)."""
+    """One CLI fit: training seconds of each epoch, the test accuracy of the evaluated weights (or None), and the
+    wall clock from the command's start to its end (validation, checkpoint saves, compiling and the test included:
+    what a user waits)."""
 
     epoch_seconds: list[float]
     test_acc: float | None
+    wall_s: float = 0.0
 
     @property
     def steady_epoch_s(self) -> float:
@@ -237,11 +240,13 @@ def fit(args: list[str], data_root: str) -> FitResult:
         data_root: Folder holding FashionMNIST/raw/ (no download).
     """
     with tempfile.TemporaryDirectory() as logs:
+        start = time.perf_counter()
         cli = cli_main(["fit", *args, "--data.data_dir", data_root, "--data.download", "false",
                         "--trainer.logger.init_args.save_dir", logs])
+        wall = time.perf_counter() - start
         [report] = [c for c in cli.trainer.callbacks if isinstance(c, EpochReport)]
         acc = cli.trainer.callback_metrics.get("test/acc")
-        return FitResult(list(report.epoch_seconds), None if acc is None else float(acc))
+        return FitResult(list(report.epoch_seconds), None if acc is None else float(acc), wall)
 
 
 def epoch_time(config: str, epochs: int, data_root: str) -> FitResult:
@@ -378,7 +383,8 @@ def goal_table(steps: dict, epochs, runs) -> list[str]:
                            f"{lenet[3]:.2f} ms)"))
     lenet_graphs = steps.get("LeNet, CUDA graphs (reduce-overhead)")
     if lenet_graphs:   # the stretch goal: 922 steps in 1.0 s
-        lines.append(_goal("LeNet app in CUDA graphs, 922-step epoch (s)", lenet_graphs[0] * 0.922, 1.0,
+        lines.append(_goal("LeNet app in CUDA graphs, 922-step epoch projected from the step (s)",
+                           lenet_graphs[0] * 0.922, 1.0,
                            f"{lenet_graphs[0] * 0.922:.2f} s ({lenet_graphs[0]:.2f} ms/step; bare loop in graphs "
                            f"{lenet_graphs[1]:.2f} ms)"))
     if single and ours:
@@ -403,9 +409,10 @@ def goal_table(steps: dict, epochs, runs) -> list[str]:
         met = "**met**" if mean_acc >= 0.95 else "not met"
         lines.append(f"| ResNet-18 recipe test acc, mean of {len(runs)} seeds | {mean_acc:.4f} "
                      f"({', '.join(f'{a:.4f}' for a in accs)}) | ≥ 0.95 | {met} |")
-        lines.append(_goal("ResNet-18 recipe training time, slowest seed (s; warm-up apart)", worst_s, 30,
+        lines.append(_goal("ResNet-18 recipe training time, slowest seed (s; warm-up apart)", worst_s, 20,
                            f"{worst_s:.1f} s (first epochs' extra "
-                           f"{', '.join(f'{r.first_epoch_extra_s:.1f}' for r in runs)} s)"))
+                           f"{', '.join(f'{r.first_epoch_extra_s:.1f}' for r in runs)} s; from start to test "
+                           f"accuracy {', '.join(f'{r.wall_s:.1f}' for r in runs)} s of wall clock)"))
         epoch = statistics.median(r.steady_epoch_s for r in runs)
         lines.append(_goal("ResNet-18 recipe epoch, median over seeds of the median after the first (s)", epoch, 1.0,
                            f"{epoch:.2f} s ({', '.join(f'{r.steady_epoch_s:.2f}' for r in runs)})"))
