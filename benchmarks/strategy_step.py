@@ -34,6 +34,7 @@ import torch
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.strategies import SplitAllreduceStrategy
+from src.strategies.comm.allreduce import nbytes
 
 warnings.filterwarnings("ignore")
 
@@ -97,13 +98,10 @@ class HeldAtLastStep(pl.Callback):
         if hasattr(trainer.strategy, "model_state_bytes"):  # ours, and FSDP's shards (src/strategies/fsdp.py)
             self.held = trainer.strategy.model_state_bytes()
         else:  # DDP: every process holds the whole model state
-
-            def nbytes(tensors) -> int:
-                return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-
-            grads = nbytes(p.grad for p in pl_module.parameters())
-            state = nbytes(t for st in trainer.optimizers[0].state.values() for t in st.values())
-            self.held = [{"parameters": nbytes(pl_module.parameters()), "gradients": grads,
+            grads = sum(nbytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
+            state = sum(nbytes(t) for st in trainer.optimizers[0].state.values() for t in st.values()
+                        if torch.is_tensor(t))
+            self.held = [{"parameters": sum(nbytes(p) for p in pl_module.parameters()), "gradients": grads,
                           "gradients_at_update": grads, "optimizer_state": state}]
 
 

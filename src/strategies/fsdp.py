@@ -23,6 +23,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from src.layout import ParallelLayout
+from src.strategies.comm.allreduce import nbytes
 
 # torch's sharding strategy -> the ZeRO stage it matches, for the run's layout, name and HPARAMS column
 ZERO_STAGE = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 3}
@@ -74,14 +75,10 @@ class CPUFSDPStrategy(FSDPStrategy):
                               zero_stage=ZERO_STAGE[self.sharding_strategy.name])
 
     def model_state_bytes(self) -> list[dict[str, Any]]:
-        """This process's bytes of parameters (its flat shards), gradients and optimizer state now, counted from the
-        tensors it holds, as `SplitAllreduceStrategy.model_state_bytes` counts a replica's."""
+        """This process's bytes of parameters (its shards), gradients and optimizer state now, counted from the
+        tensors it holds, as `SplitAllreduceStrategy.model_state_bytes` counts a replica's; empty before training."""
         if self.model is None or not self.optimizers:
             return []
-
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
         params = list(self.model.parameters())
         state = sum(nbytes(t) for s in self.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t))
         grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
