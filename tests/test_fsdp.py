@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp._flat_param import FlatParamHandle
 
 from src.cli import main
 from src.layout import parallel_layout
@@ -45,11 +46,18 @@ class FullWeights(pl.Callback):
                         "held": trainer.strategy.model_state_bytes()}, self.path)
 
 
+def _no_offload_on_the_cpu(self):
+    raise AssertionError("a CPU state dict went through torch's offload to the CPU (FlatParamHandle.to_cpu)")
+
+
 def _worker(rank: int, port: int, data_dir: str, out_dir: str) -> None:
     """One of 2 processes started here as torchrun would start them: a real Trainer fit per sharding strategy and
     precision, one after another on the same gloo process group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
+    # torch's offload of gathered parameters to the CPU freed their CPU storage before pytorch/pytorch#188990, and
+    # the next read crashed (torch 2.11): on the CPU the strategy must gather without it, whatever torch's version
+    FlatParamHandle.to_cpu = _no_offload_on_the_cpu
     try:
         for sharding in SHARDINGS:
             strategy = CPUFSDPStrategy(sharding_strategy=sharding, process_group_backend="gloo")

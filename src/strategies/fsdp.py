@@ -6,7 +6,10 @@ needs a non-CPU accelerator device"). torch's FSDP itself runs on the CPU over g
 `device_id=torch.device("cpu")`. So `CPUFSDPStrategy` wraps the module itself with that device and then lets
 Lightning's `_setup_model` go on with the wrapped module (which it then leaves as it is): nothing of Lightning is
 patched. It also keeps the wrapper for a later stage in the same process (the test after fit), which Lightning
-would wrap a second time. On a GPU it otherwise is Lightning's strategy.
+would wrap a second time, and on the CPU it gathers whole state dicts (checkpoints) without torch's offload to the
+CPU: there is nothing to move, and before pytorch/pytorch#188990 (2026) that offload freed the CPU storage of the
+gathered parameters, so the next read crashed the process (seen with torch 2.11). On a GPU it otherwise is
+Lightning's strategy.
 
 Sharding strategies (torch's `ShardingStrategy`; ZeRO stages as in Rajbhandari et al., SC 2020, and Zhao et al.,
 "PyTorch FSDP", VLDB 2023):
@@ -15,11 +18,14 @@ Sharding strategies (torch's `ShardingStrategy`; ZeRO stages as in Rajbhandari e
     FULL_SHARD: parameters too, gathered for each wrapped unit's forward and backward (ZeRO stage 3).
 """
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from src.layout import ParallelLayout
@@ -65,6 +71,45 @@ class CPUFSDPStrategy(FSDPStrategy):
         model = super()._setup_model(model)
         self._wrapper = model if isinstance(model, FullyShardedDataParallel) else None
         return model
+
+    def _full_state_dict_on_cpu(self) -> AbstractContextManager | None:
+        """torch's FULL_STATE_DICT context with `offload_to_cpu=False` (rank 0 gathers), where the state is on the
+        CPU and whole state dicts are asked for; None elsewhere (Lightning's own context, which offloads)."""
+        if self.root_device.type != "cpu" or self._state_dict_type != "full":
+            return None
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
+                                    FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                                    FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict on rank 0 (a collective: every rank calls it); on the CPU without offload."""
+        context = self._full_state_dict_on_cpu()
+        if context is None:
+            return super().lightning_module_state_dict()
+        with context:
+            return self.model.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole optimizer state on rank 0, keyed by parameter index as one device's (a collective); on the
+        CPU without offload."""
+        context = self._full_state_dict_on_cpu()
+        if context is None:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import OptimStateKeyType
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        with context:
+            state = FSDP.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:  # one device's format, as Lightning's own `optimizer_state` keys it
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            return state
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes x 1 replica, torch's collectives between them, and the ZeRO stage its sharding matches."""
