@@ -76,6 +76,7 @@ def test_without_sync_batchnorm_ours_differs_from_one_device(tiny_data_dir, sing
     assert _state_diff(snap.states[0], single(24)[0]) > 1e-4  # per-shard statistics: the comparison above can fail
 
 
+@pytest.mark.slow  # ResNet-18 steps on the CPU: tens of seconds
 def test_resnet18_with_sync_batchnorm_equals_one_device(tiny_data_dir):
     _, _, ref = fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=3, batch_size=8)
     _, _, snap = _ours(tiny_data_dir, 2, True, batch_size=8, steps=3, model_cls=ResNet18Classifier)

@@ -244,6 +244,7 @@ def test_the_overlays_equal_one_device_through_the_cli_and_report_their_memory(t
     assert state and 0.49 < state[-1].value / params[-1].value < 0.51
 
 
+@pytest.mark.slow  # ResNet-18 steps on the CPU: tens of seconds
 def test_resnet18_in_channels_last_equals_stage_0(tiny_data_dir):
     """ResNet-18 (BatchNorm, so no layout of it equals one device without sync BatchNorm) with its tensors in
     channels_last, whose partitions are cut in memory order: stages 1 and 2 end within 1e-12 of stage 0 in float64
