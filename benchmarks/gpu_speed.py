@@ -338,7 +338,8 @@ def step_rows(args, root: str, measure=None) -> tuple[list[str], dict[str, tuple
              "bare | syncs in one non-logging app step |",
              "|---|---|---|---|---|---|---|"]
     names = [name for name in CASES if any(part in name for part in args.only.split("|"))]
-    seen = {name: ([], [], [], []) for name in names}  # app, plain, bare ms per round; the last app run's syncs
+    seen = {name: ([], [], []) for name in names}  # app, plain Lightning, bare loop: ms per round
+    last_syncs: dict[str, list[str]] = {}  # the syncs seen in each row's last app run
     failed: dict[str, str] = {}
     for _ in range(args.rounds):
         for name in names:
@@ -353,13 +354,13 @@ def step_rows(args, root: str, measure=None) -> tuple[list[str], dict[str, tuple
                 continue
             for values, x in zip(seen[name], (app, plain, bare)):
                 values.append(x)
-            seen[name][3][:] = syncs
+            last_syncs[name] = syncs
     found = {}
     for name in names:
         if name in failed:
             lines.append(f"| {name} | failed: {failed[name]} |")
             continue
-        app, plain, bare, syncs = seen[name]
+        (app, plain, bare), syncs = seen[name], last_syncs[name]
         a, p, b = statistics.median(app), statistics.median(plain), statistics.median(bare)
         found[name] = (a, b, len(syncs), p)
 
