@@ -22,7 +22,8 @@ WARMUP, TIMED = 30, 100
 
 def recipe_sgd(net: nn.Module, recipe: dict, lr: float) -> torch.optim.SGD:
     """SGD as `ImageClassifier.configure_optimizers` builds it: weight decay on weights, none on biases and
-    BatchNorm's affine parameters (ndim <= 1), the recipe's momentum and Nesterov flag.
+    BatchNorm's affine parameters (ndim <= 1), the recipe's momentum and Nesterov flag, and torch's fused
+    implementation where the recipe sets `fused_optimizer` (so the loops compared with the app run its optimizer).
 
     Args:
         net: The network whose parameters are trained.
@@ -33,7 +34,7 @@ def recipe_sgd(net: nn.Module, recipe: dict, lr: float) -> torch.optim.SGD:
     no_decay = [p for p in net.parameters() if p.ndim <= 1]
     return torch.optim.SGD([{"params": decay, "weight_decay": recipe["weight_decay"]},
                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=recipe["momentum"],
-                           nesterov=recipe["nesterov"])
+                           nesterov=recipe["nesterov"], fused=True if recipe.get("fused_optimizer") else None)
 
 
 def resident_batches(batch: int, device: torch.device | str, count: int = 8) -> tuple[list[torch.Tensor], torch.Tensor]:

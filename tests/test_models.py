@@ -58,3 +58,27 @@ def test_weight_decay_skips_biases_and_normalisation_layers_whatever_their_shape
             p.data = p.data.reshape(-1)
     again_decay, again_no_decay = model.configure_optimizers().param_groups
     assert {id(p) for p in again_no_decay["params"]} == expected and len(again_decay["params"]) == len(decay["params"])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_fused_optimizer_makes_the_default_ones_update_to_rounding(optimizer):
+    """`fused_optimizer: true` builds torch's fused implementation and the default builds torch's default (fused
+    left unset, so a run without the option is unchanged); five steps of both from the same weights and gradients
+    end within float64 rounding of each other."""
+    x = torch.randn(8, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(8) % 10
+    start, updated = [], []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = LeNetClassifier(optimizer=optimizer, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                                fused_optimizer=fused).double()
+        start.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        opt = model.configure_optimizers()
+        assert opt.defaults["fused"] is (True if fused else None)
+        for _ in range(5):
+            opt.zero_grad()
+            model.loss_fn(model(x), y).backward()
+            opt.step()
+        updated.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert torch.equal(start[0], start[1]) and (updated[0] - start[0]).abs().max() > 1e-3  # the steps moved them
+    assert (updated[0] - updated[1]).abs().max() < 1e-12

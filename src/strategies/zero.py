@@ -68,7 +68,8 @@ def check_partitionable(optimizer: Optimizer) -> None:
                            "of them, or zero_stage: 0")
     if any(group.get("fused") for group in optimizer.param_groups):
         raise RuntimeError(f"zero_stage: a fused {name} updates whole tensors in one kernel; build it with "
-                           "fused=False (the default), or use zero_stage: 0")
+                           "fused=False (the default; for this project's models, model.fused_optimizer: false), or use "
+                           "zero_stage: 0")
 
 
 def memory_view(t: Tensor) -> Tensor:
