@@ -5,6 +5,7 @@ the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over 
     python -m benchmarks.gpu_speed --epochs 0 --seeds        # the step rows only (about 1.5 minutes)
     python -m benchmarks.gpu_speed --recipe="--data.batch_size 512 --trainer.max_epochs 16"   # another recipe
     python -m benchmarks.gpu_speed --profile prof  # and a host profile and a torch.profiler table per row
+    python -m benchmarks.gpu_speed --profile prof --profile-only "CUDA graphs"   # profile those rows only
 
 1. For ResNet-18 (configs/resnet18_gpu.yaml: bf16-mixed, channels_last, batch 256), the same compiled into CUDA
    graphs (`compile_mode: reduce-overhead`, the bare loop compiled alike), the same with ours on [cuda:0, cuda:0],
@@ -28,7 +29,7 @@ the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over 
 2. configs/resnet18_gpu.yaml for `--epochs` epochs: the median training seconds of an epoch after the first
    (validation excluded), and what the first took beyond that (cuDNN's autotuning, compilation).
 3. The GPU recipe (configs/resnet18_gpu.yaml with the `--recipe` overrides, by default the overlay
-   configs/fast_gpu.yaml) once per seed, each in a fresh process (`benchmarks.fit_runs`): test accuracy of the best
+   configs/fast_gpu.yaml) once per seed, each in a fresh process (`fit_in_fresh_process`): test accuracy of the best
    validation checkpoint, training seconds with the first epoch's one-off cost (compilation) apart, the median
    epoch after the first, the wall clock from the process's start to the test accuracy, and the seconds spent
    compiling. The seeds share one torch.compile cache that starts empty: the first seed compiles as a user's
@@ -40,13 +41,18 @@ Prints the tables and the goal table; ratios compare runs of the same process on
 import argparse
 import cProfile
 import importlib
+import json
+import os
 import pstats
 import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -54,9 +60,9 @@ import torch
 import yaml
 from torch import nn
 
-from benchmarks.fit_runs import FitResult, fit, fit_in_fresh_process
 from benchmarks.plain_lightning import plain_step, recipe_sgd, resident_batches
 from benchmarks.strategy_step import data_dir
+from src.callbacks import EpochReport
 from src.cli import main as cli_main
 from src.models import LeNet, ResNet18, init_weights
 from src.run.lightning_compat import run_first
@@ -201,6 +207,104 @@ def bare_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile_
     return (time.perf_counter() - t0) / TIMED * 1e3
 
 
+# Whole training runs through the real CLI: in this process, or in a fresh one that compiles against a given
+# torch.compile cache, so that a user's first run (cold cache) and later runs (warm cache) are measured as a user
+# meets them. A run's training seconds are `EpochReport.epoch_seconds` (the epoch's training batches); its first
+# epoch also holds the one-off costs (cuDNN's autotuning, `torch.compile`), reported apart as the first epoch minus
+# the median of the others. Compiling is what TorchDynamo's own timer counts for every graph the run compiled
+# (training, evaluation, another batch shape): `torch._dynamo.utils.compilation_time_metrics`, whose
+# "_compile.compile_inner" entries hold tracing, AOTAutograd and Inductor together.
+COMPILE_KEY = "_compile.compile_inner"   # TorchDynamo's timer around one frame's whole compilation
+
+
+@dataclass
+class FitResult:
+    """One CLI fit: training seconds of each epoch, the test accuracy of the evaluated weights (or None), the wall
+    clock from the command's start to its end (validation, checkpoint saves, compiling and the test included: what a
+    user waits), and the seconds spent compiling (None: nothing was compiled)."""
+
+    epoch_seconds: list[float]
+    test_acc: float | None
+    wall_s: float = 0.0
+    compile_s: float | None = None
+
+    @property
+    def steady_epoch_s(self) -> float:
+        """Median seconds of the epochs after the first (the first alone if there is only one)."""
+        rest = self.epoch_seconds[1:] or self.epoch_seconds
+        return statistics.median(rest)
+
+    @property
+    def first_epoch_extra_s(self) -> float:
+        """What the first epoch took beyond a steady one: warm-up and compilation."""
+        return self.epoch_seconds[0] - self.steady_epoch_s
+
+    @property
+    def training_s(self) -> float:
+        """All training seconds, one-off costs of the first epoch excluded."""
+        return sum(self.epoch_seconds) - max(self.first_epoch_extra_s, 0.0)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (0.0 before any compile)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
+    from torch._dynamo.utils import compilation_time_metrics
+    return float(sum(compilation_time_metrics.get(COMPILE_KEY, [])))
+
+
+def fit(args: list[str], data_root: str) -> FitResult:
+    """`python -m src.cli fit ARGS` in this process, logging to a temporary folder; its epochs and test accuracy.
+
+    Args:
+        args: The command line after `fit` (configs and overrides).
+        data_root: Folder holding FashionMNIST/raw/ (no download).
+    """
+    with tempfile.TemporaryDirectory() as logs:
+        compiled_before, start = compile_seconds(), time.perf_counter()
+        cli = cli_main(["fit", *args, "--data.data_dir", data_root, "--data.download", "false",
+                        "--trainer.logger.init_args.save_dir", logs])
+        wall = time.perf_counter() - start
+        compiled = compile_seconds() - compiled_before
+        [report] = [c for c in cli.trainer.callbacks if isinstance(c, EpochReport)]
+        acc = cli.trainer.callback_metrics.get("test/acc")
+        return FitResult(list(report.epoch_seconds), None if acc is None else float(acc), wall, compiled or None)
+
+
+def fit_in_fresh_process(args: list[str], data_root: str, cache_dir: Path) -> FitResult:
+    """`fit(args)` in a new Python process whose torch.compile caches (Inductor's and Triton's) live in `cache_dir`:
+    an empty folder gives a user's first run, one an earlier run filled gives a later run. `wall_s` is counted from
+    the process's start (interpreter and imports included), as a user waits for it.
+
+    Raises:
+        RuntimeError: The run failed; the message ends with the last lines of its output.
+    """
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fit.json"
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_speed", "--fit-json", str(out), *args,
+                               "--data.data_dir", data_root], cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+            raise RuntimeError(f"the fit {' '.join(args)} failed (exit {proc.returncode}):\n{tail}")
+        found = json.loads(out.read_text())
+    found["wall_s"] = wall
+    return FitResult(**found)
+
+
+def fit_child(argv: list[str]) -> None:
+    """The child of `fit_in_fresh_process` (`--fit-json OUT ARGS...`): one fit, its `FitResult` as JSON to OUT (a
+    --data.data_dir among ARGS gives the data's folder)."""
+    out, args = Path(argv[0]), argv[1:]
+    root = "data"
+    if "--data.data_dir" in args:
+        i = args.index("--data.data_dir")
+        root, args = args[i + 1], args[:i] + args[i + 2:]
+    out.write_text(json.dumps(asdict(fit(args, root))))
+
+
 def epoch_time(config: str, epochs: int, data_root: str) -> FitResult:
     """`config` for `epochs` epochs without the test: the epoch time a user of that config sees."""
     return fit(["--config", config, "--trainer.max_epochs", str(epochs), "--test_after_fit", "false"], data_root)
@@ -281,6 +385,11 @@ def _profile_row(args, root: str, name: str, config: str, extra: list[str]) -> N
     print(f"  {name}: profiled app run {ms:.2f} ms/step (profiler overhead included) -> {out}")
 
 
+def _matches(name: str, texts: str) -> bool:
+    """Whether `name` contains one of the '|'-joined `texts` (every name matches "")."""
+    return any(part in name for part in texts.split("|"))
+
+
 def step_rows(args, root: str, measure=None) -> tuple[list[str], dict[str, tuple[float, float, int, float]]]:
     """The app-against-bare table, and {row name: (app ms, bare ms, syncs, plain Lightning ms)} for the goal
     table. Each of `args.rounds` rounds measures every row once, in order, so rows that are compared (single and
@@ -291,7 +400,7 @@ def step_rows(args, root: str, measure=None) -> tuple[list[str], dict[str, tuple
     lines = ["| network | app ms/step | plain Lightning ms/step | bare loop ms/step | app / bare | plain Lightning / "
              "bare | syncs in one non-logging app step |",
              "|---|---|---|---|---|---|---|"]
-    names = [name for name in CASES if any(part in name for part in args.only.split("|"))]
+    names = [name for name in CASES if _matches(name, args.only)]
     seen = {name: ([], [], []) for name in names}  # app, plain Lightning, bare loop: ms per round
     last_syncs: dict[str, list[str]] = {}  # the syncs seen in each row's last app run
     failed: dict[str, str] = {}
@@ -325,7 +434,7 @@ def step_rows(args, root: str, measure=None) -> tuple[list[str], dict[str, tuple
                      f"{a / b:.2f} | {p / b:.2f} | {len(syncs)} |")
         for s in sorted(set(syncs)):
             print(f"  {name}: sync x{syncs.count(s)}: {s}")
-        if args.profile is not None:
+        if args.profile is not None and _matches(name, getattr(args, "profile_only", "")):
             _profile_row(args, root, name, *CASES[name][:2])
     return lines, found
 
@@ -398,12 +507,17 @@ def goal_table(steps: dict, epochs, runs) -> list[str]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--fit-json"]:   # the child of fit_in_fresh_process
+        fit_child(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds; each measures every step row once (app, plain Lightning, bare loop)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="folder: after the timed rounds, one more app run per network writes its host profile "
                              "(cProfile of the window) and a torch.profiler table of steps 10-20 there")
+    parser.add_argument("--profile-only", default="", help="with --profile, profile only the rows whose name contains "
+                                                            "this text (or one of several joined by '|')")
     parser.add_argument("--only", default="", help="run only the step rows whose name contains this text (or one of "
                                                     "several texts joined by '|')")
     parser.add_argument("--epochs", type=int, default=6,

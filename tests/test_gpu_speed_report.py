@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import fit_runs, gpu_speed
+from benchmarks import gpu_speed
 from tests.helpers.cli_args import trainer_args
 
 SINGLE, GRAPHS = "ResNet-18, bf16-mixed, batch 256", "ResNet-18, CUDA graphs (reduce-overhead)"
@@ -69,14 +69,14 @@ def test_the_goal_table_compares_the_app_with_plain_lightning_and_ours_with_one_
 
 @pytest.mark.slow  # starts a process
 def test_a_fit_in_a_fresh_process_reports_its_epochs_accuracy_and_compile_seconds(tiny_data_dir, tmp_path):
-    """`fit_runs.fit_in_fresh_process`, as the benchmark runs each recipe seed: a real CLI fit of LeNet compiled by
+    """`gpu_speed.fit_in_fresh_process`, as the benchmark runs each recipe seed: a real CLI fit of LeNet compiled by
     TorchDynamo (the aot_eager backend, so that the CPU compiles in seconds), in a new process given its own compile
     cache; its figures come back through the child's JSON."""
     cache = tmp_path / "cache"
     args = ["--config", "configs/lenet.yaml", "--data.val_size", "100", "--data.batch_size", "64",
             *trainer_args(max_epochs=2, train_batches=3), "--model.compile", "true", "--model.compile_backend",
             "aot_eager", "--test_after_fit", "true"]
-    run = fit_runs.fit_in_fresh_process(args, str(tiny_data_dir), cache)
+    run = gpu_speed.fit_in_fresh_process(args, str(tiny_data_dir), cache)
     assert len(run.epoch_seconds) == 2 and all(s > 0 for s in run.epoch_seconds)
     assert 0.0 <= run.test_acc <= 1.0
     assert run.compile_s is not None and run.compile_s > 0  # the training graph at least was compiled
