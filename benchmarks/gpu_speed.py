@@ -1,7 +1,7 @@
 """The GPU speed benchmark: the application's training step against a bare PyTorch loop, the host syncs inside
 the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over three seeds; then the goal table.
 
-    python -m benchmarks.gpu_speed  # needs a CUDA GPU; Fashion-MNIST under data/; 4.5 min on one H200 (2 rounds)
+    python -m benchmarks.gpu_speed  # needs a CUDA GPU; Fashion-MNIST under data/; about 6.5 min on one H200
     python -m benchmarks.gpu_speed --epochs 0 --seeds        # the step rows only (about 1.5 minutes)
     python -m benchmarks.gpu_speed --recipe="--data.batch_size 512 --trainer.max_epochs 16"   # another recipe
     python -m benchmarks.gpu_speed --profile prof  # and a host profile and a torch.profiler table per row
