@@ -210,7 +210,7 @@ def test_step_timeline_shows_gpu_kernel_time(tiny_data_dir, tmp_path, strategy):
 def test_compiled_bf16_run(tiny_data_dir):
     model, trainer, _ = _gpu_fit(tiny_data_dir, steps=6, precision="bf16-mixed", model_kwargs={"compile": True})
     assert trainer.global_step == 6
-    assert "_compiled_net" in model.__dict__  # the steps ran through torch.compile's wrapper
+    assert "_compiled_step" in model.__dict__  # the steps ran through torch.compile's wrapper of network and loss
     assert all(torch.isfinite(p).all() for p in model.parameters())
     pl.seed_everything(0, verbose=False)
     assert max_param_diff(model, LeNetClassifier(lr=0.05, momentum=0.9)) > 1e-4
@@ -314,7 +314,9 @@ def test_the_fast_recipe_trains_in_cuda_graphs(tiny_data_dir, tmp_path):
     inductor, (graphs, _), (eager, _), apart, moved = _graphs_against_eager(tiny_data_dir, tmp_path,
                                                                            "--test_after_fit", "true")
     assert graphs.model.hparams.compile_mode == "reduce-overhead" and graphs.model.hparams.tta_flip
-    assert "_compiled_net" in graphs.model.__dict__ and "_compiled_net" not in eager.model.__dict__
+    # training through the compiled network and loss, evaluation through the compiled network
+    assert {"_compiled_step", "_compiled_net"} <= set(graphs.model.__dict__)
+    assert "_compiled_step" not in eager.model.__dict__ and "_compiled_net" not in eager.model.__dict__
     assert inductor.get("cudagraph_recorded_non_static_inputs", 0) > 0, inductor   # graphs were recorded
     assert inductor.get("cudagraph_skips", 0) == 0, inductor
     assert graphs.trainer.global_step == eager.trainer.global_step == 16   # 8 steps per epoch

@@ -56,7 +56,8 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: Cross-entropy label smoothing in [0, 1).
         init: Weight initialisation: "kaiming", "normal" (d2l.ai's N(0, 0.01)) or "default" (PyTorch's).
         channels_last: Run convs in NHWC memory format (faster for these nets on CPU and GPU).
-        compile: Run the network through `torch.compile` (TorchInductor by default). On the 2-core CPU, LeNet
+        compile: Run the network through `torch.compile` (TorchInductor by default), in training together with
+            its loss (one compiled region: `NetAndLoss`). On the 2-core CPU, LeNet
             at batch 256 with channels_last: about 0.6x the eager epoch time (benchmarks/lenet_epoch.py); at
             batch 64 no gain. One-off compile of 10-30 seconds per graph (training, evaluation, and once more
             for the first batch of another size), cached on disk for later runs. Checkpoints are unchanged
@@ -134,10 +135,14 @@ class ImageClassifier(pl.LightningModule):
         The input is cast to the module's dtype (a no-op in float32 and under autocast), so `precision:
         64-true` works with the DataModule's float32 batches.
         """
+        return self._network()(self._network_input(x))
+
+    def _network_input(self, x: Tensor) -> Tensor:
+        """x cast to the module's dtype, in NHWC memory order with `channels_last`."""
         x = x.to(self.dtype)
         if self.hparams.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return self._network()(x)
+        return x
 
     def _network(self) -> nn.Module:
         """`self.net`, or its compiled wrapper when `compile` is on (built at the first call, per copy)."""
@@ -155,11 +160,31 @@ class ImageClassifier(pl.LightningModule):
             self.__dict__["_compiled_net"] = compiled
         return compiled
 
+    def _logits_and_loss(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Training logits (B, num_classes) and the cross-entropy of x (B, 1, 28, 28) float against y (B,) int64.
+
+        With `compile` on, the loss is compiled with the network as one region (`NetAndLoss`): its forward joins
+        the network's graph and its backward the backward graph, instead of a dozen small kernels launched from
+        Python on each side of them (under CUDA graphs, host work the GPU waits for). Evaluation keeps the
+        network's own compiled graph (`_network`), as its loss is only logged.
+        """
+        if not self.hparams.compile:
+            logits = self(x)
+            return logits, self.loss_fn(logits, y)
+        compiled = self.__dict__.get("_compiled_step")
+        if compiled is None:  # built at the first call, per copy, and held apart as `_network`'s wrapper is
+            static = self.hparams.compile_mode == "reduce-overhead"
+            compiled = torch.compile(NetAndLoss(self.net, self.loss_fn), mode=self.hparams.compile_mode,
+                                     backend=self.hparams.compile_backend, dynamic=False if static else None)
+            self.__dict__["_compiled_step"] = compiled
+        return compiled(self._network_input(x), y)
+
     def __getstate__(self) -> dict:
-        # A copy (a replica of the split strategy, a ddp_spawn child) compiles its own network: the wrapper
+        # A copy (a replica of the split strategy, a ddp_spawn child) compiles its own network: the wrappers
         # of this one would run this module's parameters.
         state = super().__getstate__()
         state.pop("_compiled_net", None)
+        state.pop("_compiled_step", None)
         return state
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
@@ -168,8 +193,7 @@ class ImageClassifier(pl.LightningModule):
         With `nonfinite_loss: stop` the loss is watched in `on_before_backward`, without a host sync.
         """
         x, y = batch
-        logits = self(x)
-        loss = self.loss_fn(logits, y)
+        logits, loss = self._logits_and_loss(x, y)
         if self.hparams.nonfinite_loss == "skip" and not torch.isfinite(loss):  # a host sync: decided before the step
             where = f"at global step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
             self.skipped_steps += 1
@@ -373,6 +397,23 @@ class ImageClassifier(pl.LightningModule):
                 warmup = max(warmup, math.ceil(lr / hp.warmup_max_lr_per_step))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_then(warmup, total, cosine=hp.scheduler == "cosine"))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class NetAndLoss(nn.Module):
+    """A network and its loss as one module, so that torch.compile traces both into one region.
+
+    Args:
+        net: x (B, 1, 28, 28) -> logits (B, num_classes).
+        loss_fn: (logits, y (B,) int64) -> the mean loss, a () tensor.
+    """
+
+    def __init__(self, net: nn.Module, loss_fn: nn.Module) -> None:
+        super().__init__()
+        self.net, self.loss_fn = net, loss_fn
+
+    def forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.net(x)
+        return logits, self.loss_fn(logits, y)
 
 
 def _warmup_then(warmup: int, total: int, cosine: bool):
