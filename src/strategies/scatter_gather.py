@@ -86,9 +86,12 @@ def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, de
     name. Returns the shard on the device."""
     replica0, replica = replicas[0], replicas[k]
     if k:
+        # set only what differs: nn.Module.__setattr__ is slow, and in a step the modes mostly agree already
         for source, target in zip(replica0.modules(), replica.modules()):
-            target.training = source.training
-            if isinstance(source, _BatchNorm):  # e.g. BaseFinetuning.freeze(train_bn=False) turns it off
+            if target.training != source.training:
+                target.training = source.training
+            # e.g. BaseFinetuning.freeze(train_bn=False) turns it off
+            if isinstance(source, _BatchNorm) and target.track_running_stats != source.track_running_stats:
                 target.track_running_stats = source.track_running_stats
         copy_hook_name(replica0, replica)
     return transfer_batch(replica0, shard, device)
