@@ -312,8 +312,8 @@ def epoch_time(config: str, epochs: int, data_root: str) -> FitResult:
 
 def accuracy(config: str, recipe: list[str], seeds: list[int], data_root: str, cache_dir: Path) -> list[FitResult]:
     """`config` with the `recipe` overrides, once per seed, each in a fresh process tested on the 10,000 test images
-    after fit. All compile into `cache_dir`: the first seed's run on an empty folder is a user's first run (cold
-    cache), the later seeds' runs are a user's later runs (warm cache)."""
+    after fit. All compile into `cache_dir`: the first run, on an empty folder, is what a user's first run compiles
+    (cold cache); each later run finds what the ones before it left (warm cache)."""
     return [fit_in_fresh_process(["--config", config, *recipe, "--seed_everything", str(seed), "--test_after_fit",
                                   "true"], data_root, cache_dir) for seed in seeds]
 

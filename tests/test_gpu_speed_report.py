@@ -60,7 +60,7 @@ def test_the_goal_table_compares_the_app_with_plain_lightning_and_ours_with_one_
     assert "| 17.0 s (stretch ≤ 15 not met; first epochs' extra 20.0, 20.0, 20.0 s; from start to test accuracy 45.0," \
         in table
     assert "| ≤ 20 | **met** |" in table
-    # compiling: the first seed's run on an empty cache against 20 s, the later ones on the filled cache against 5 s
+    # compiling: the first run, on an empty cache, against 20 s; the later runs, on the filled cache, against 5 s
     assert ("| ResNet-18 recipe compiling, first run on an empty cache (s) | 22.5 s (first epoch's extra 20.0 s) "
             "| ≤ 20 | not met |") in table
     assert ("| ResNet-18 recipe compiling, later runs on the filled cache, slowest (s) | 6.5 s (4.0, 6.5) | ≤ 5 | "
