@@ -177,18 +177,37 @@ def test_bf16_mixed_keeps_replicas_in_sync(tiny_data_dir):
 
 
 class _Corrupt(pl.Callback):
+    """Adds 1e-3 to replica 1's copy of one bias after batch 2; with `check`, then runs the desync check itself."""
+
+    def __init__(self, check: bool = False) -> None:
+        self.check, self.differed = check, False
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 2:
             with torch.no_grad():
                 trainer.strategy.replica_parameter(1, "net.classifier.3.bias").add_(1e-3)
+            self.differed = not torch.equal(trainer.strategy.replica_parameter(1, "net.classifier.3.bias"),
+                                            pl_module.net.classifier[3].bias)
+            if self.check:
+                trainer.strategy.check_replicas_in_sync()
 
 
 def test_desync_check_names_the_parameter(tiny_data_dir):
     from src.strategies.replicas import ReplicaDesyncError
 
     with pytest.raises(ReplicaDesyncError, match=r"replica 1 on cpu differs from replica 0 at 'net.classifier.3.bias'"):
-        fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=6,
-            callbacks=[_Corrupt()])
+        fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU]), steps=6, callbacks=[_Corrupt(check=True)])
+
+
+def test_a_replica_changed_between_steps_takes_replica_0s_parameters_again(tiny_data_dir):
+    """Each forward pass starts from replica 0's parameters (as DataParallel replicates): a change made to another
+    replica between steps does not reach the result, which stays one device's."""
+    corrupt = _Corrupt()
+    one, _, _ = fit(tiny_data_dir, steps=6, model_kwargs={"lr": 0.1})
+    ours, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU], check_sync_every=1), steps=6,
+                     model_kwargs={"lr": 0.1}, callbacks=[corrupt])
+    assert corrupt.differed
+    assert param_distance(one, ours) < 1e-9
 
 
 def test_grad_norms_bytes_and_replica_parameters_are_inspectable(tiny_data_dir, tmp_path):

@@ -15,7 +15,7 @@ from tests.helpers.runs import ddp, fit
 ROOT = Path(__file__).resolve().parent.parent
 
 OURS_LABELS = {"dp/forward", "dp/scatter", "dp/replica 0/forward", "dp/replica 1/forward", "dp/backward",
-               "dp/backward (all replicas)", "dp/replica 1/optimizer", "dp/allreduce bucket 0", "dp/gather", "dp/loop"}
+               "dp/backward (all replicas)", "dp/broadcast parameters", "dp/allreduce bucket 0", "dp/gather", "dp/loop"}
 
 
 def _names(path):

@@ -99,12 +99,12 @@ def ours(k: int = 2, processes: int = 1, **kwargs) -> SplitAllreduceStrategy:
     return SplitAllreduceStrategy(devices=["cpu"] * k, **kwargs)
 
 
-def train(strategy="auto", processes: int = 1, callbacks=(), epochs: int = 3, model_kwargs=None,
+def train(strategy="auto", processes: int = 1, callbacks=(), epochs: int = 3, model_kwargs=None, model_cls=None,
           **trainer_kwargs) -> tuple[UserModel, pl.Trainer]:
-    """Fit a fresh `UserModel` (seed 0) in float64; every process loads BATCH / `processes` per step, so the
-    global batches are those of one device."""
+    """Fit a fresh `UserModel` (seed 0; or what `model_cls(**kwargs)` makes) in float64; every process loads
+    BATCH / `processes` per step, so the global batches are those of one device."""
     pl.seed_everything(0, verbose=False)
-    model = UserModel(batch_size=BATCH // processes, **(model_kwargs or {})).double()
+    model = (model_cls or UserModel)(batch_size=BATCH // processes, **(model_kwargs or {})).double()
     kwargs = dict(accelerator="cpu", devices=processes, strategy=strategy, precision="64-true", max_epochs=epochs,
                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   num_sanity_val_steps=0, callbacks=list(callbacks))

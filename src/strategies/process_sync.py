@@ -213,8 +213,9 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
 
 def global_batch_size(trainer: Any, n: int, rank: int, total_replicas: int, device: torch.device,
                       sync_batchnorm: bool, agreement_due: bool,
-                      agreement: Callable[[], int]) -> tuple[int | Callable[[], int], bool]:
-    """N of this step's global batch, from this process's `n`: N, or a function that waits for it and returns it.
+                      agreement: Callable[[], int]) -> tuple[Callable[[], int], bool]:
+    """N of this step's global batch, from this process's `n`: a function that returns it (waiting for the other
+    processes' counts, in a `dp/wait/global batch size` span, when they are needed).
 
     The training loader's sampler says N without a message, when it can (`global_batch_claim`). Otherwise, and on
     the first step of a fit (`agreement_due`) and at every logging step in any case, the processes add up their
@@ -224,7 +225,7 @@ def global_batch_size(trainer: Any, n: int, rank: int, total_replicas: int, devi
     `log_every_n_steps`).
 
     Returns:
-        (N or the function that waits for it, whether the agreement is still due).
+        (the function that returns N, whether the agreement is still due).
 
     Raises:
         RuntimeError: From the function, when the processes counted another N than the sampler recorded.
@@ -233,8 +234,13 @@ def global_batch_size(trainer: Any, n: int, rank: int, total_replicas: int, devi
     known = claim() if claim is not None else None
     at_logging_step = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
     if known is not None and not (at_logging_step or agreement_due):
-        return known_global_batch(n, *known, rank, total_replicas, sync_batchnorm), agreement_due
-    count = count_global_batch(n, device, total_replicas, sync_batchnorm, agreement=agreement())
+        said = known_global_batch(n, *known, rank, total_replicas, sync_batchnorm)
+        return (lambda: said), agreement_due
+    counting = count_global_batch(n, device, total_replicas, sync_batchnorm, agreement=agreement())
+
+    def count() -> int:
+        with phase("wait/global batch size"):
+            return counting()
     if known is None:
         return count, False
 

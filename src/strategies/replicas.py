@@ -1,17 +1,18 @@
-"""This process's K replicas of the LightningModule, and what keeps them training as one: the copies and their
-optimizers, the metrics merged into replica 0's, the update stepped on every copy, buffer sync and the desync
-check. Replicas are made once, at setup, and kept equal by stepping the same update on each (where
-`torch.nn.DataParallel` copies them again every step). `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
+"""This process's K replicas of the LightningModule, and what keeps them training as one: the copies, the metrics
+merged into replica 0's, replica 0's parameters taken by every copy after each update, buffer sync and the desync
+check. Replicas are made once, at setup. `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
 
-Following replica 0. Callbacks and hooks act on replica 0 (the LightningModule the Trainer holds) and on its
-optimizer only. During fit they may add a param group (Lightning's `BaseFinetuning.unfreeze_and_add_param_group`),
-change a group's lr, momentum or weight decay (schedulers, `BackboneFinetuning`), freeze or unfreeze parameters
-(`requires_grad`), load an optimizer state (the lr finder's restore), or replace the optimizer
-(`trainer.strategy.optimizers = [...]`). The other replicas' `requires_grad` flags, their copies of the optimizer
-and the gradient exchange's overlap hooks are built from replica 0. `Replica0Watch` records what they were built
-from and, at every step, says what differs now, so that only that is rebuilt; rebuilding is exact because
-the replicas are bitwise equal between steps (replica 0's optimizer state is then every copy's state too).
-Group settings (lr, momentum, ...) are not watched: they are copied into every copy before every update.
+One optimizer. Only replica 0's optimizer (the one Lightning holds) steps; after its update every other replica
+takes replica 0's parameters, as `torch.nn.DataParallel` replicates the module from device 0 at every forward
+(`torch.nn.parallel.replicate`). So whatever the user's hooks and callbacks do between backward and the update,
+to replica 0's gradients (torch's clipping, scaling, zeroing), to its optimizer (an lr, a param group, a loaded
+or cleared state, another optimizer) or to its optimizer state, acts once, on the one update the replicas
+then copy: the result is one device's by construction, not because each case is replayed.
+
+Following replica 0. The other replicas' `requires_grad` flags and the gradient exchange's overlap hooks are built
+from replica 0 (hooks may freeze or unfreeze parameters during fit). `Replica0Watch` records what they were built
+from and, at every step, says what differs now, so that only that is rebuilt; it also refuses an optimizer over
+tensors the replicas do not have, and, with partitioned state, says when the partitions must be made again.
 """
 
 import copy
@@ -29,7 +30,7 @@ from src.run.lightning_compat import forget_computed_value, forget_metric_attrib
 from src.strategies.lockstep import lockstep_apply
 from src.strategies.scatter_gather import ShardedCall, parallel_apply
 from src.strategies.sync_batchnorm import convert_, revert_
-from src.timeline.labels import replica_phase
+from src.timeline.labels import phase
 
 BUFFER_SYNC_MODES = ("broadcast", "mean")
 Layout = tuple[tuple[int, ...], ...]  # per param group, the indices of its parameters in `module.parameters()`
@@ -78,74 +79,30 @@ def merge_metrics_(pairs: list[tuple[Metric, Metric]]) -> None:
         source.reset()
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, replica0: nn.Module, replica: nn.Module) -> torch.optim.Optimizer:
-    """An optimizer of the same class over the replica's parameters, with a private copy of the state.
-
-    The state is deep-copied before loading: `Optimizer.load_state_dict` keeps tensors that are already on
-    the parameter's device as they are, so a replica on replica 0's device would otherwise share (and
-    update twice) replica 0's momentum or Adam buffers.
-    """
-    index = {id(p): i for i, p in enumerate(replica0.parameters())}
-    params = list(replica.parameters())
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[index[id(p)]] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    try:
-        clone = type(optimizer)(groups, **optimizer.defaults)
-    except TypeError:  # optimizers whose defaults hold keys their __init__ does not take
-        clone = type(optimizer)(groups)
-    clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    return clone
-
-
-def copy_hyperparameters_(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
-    """Copy lr, momentum and the other group settings (what lr schedulers change) from `source` to `target`.
-
-    Raises:
-        ValueError: If the two have different numbers of param groups (the copy was cloned before a group was
-            added or removed; `Replica0Watch` makes the strategy clone it again first).
-    """
-    for src, dst in zip(source.param_groups, target.param_groups, strict=True):
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value
-
-
 @torch.no_grad()
-def copy_gradients_(source: nn.Module, target: nn.Module) -> None:
-    """Copy every parameter's `.grad` of `source` into the same parameter of `target` (both have one)."""
-    for p, q in zip(source.parameters(), target.parameters()):
-        if p.grad is not None and q.grad is not None:
-            q.grad.copy_(p.grad)
+def copy_parameters_(replicas: list[nn.Module], buffers: bool = False) -> None:
+    """Make replicas 1..K-1 take replica 0's parameter values (and, if `buffers`, its buffers), each on its own device.
 
-
-@torch.no_grad()
-def copy_parameters_(replicas: list[nn.Module]) -> None:
-    """Make replicas 1..K-1 take replica 0's parameter values, each on its own device, and drop their gradients.
-
-    Used instead of stepping their optimizers when replica 0's optimizer changed after this step's forward pass
-    (e.g. a param group added in `on_before_optimizer_step`): their copies of it could not make the same update.
+    A replica on replica 0's device takes them in one multi-tensor copy per dtype (`torch._foreach_copy_`, as
+    `sync_buffers_`); one on another device tensor by tensor.
     """
+    def tensors(module: nn.Module) -> list[Tensor]:
+        return [*module.parameters(), *(module.buffers() if buffers else ())]
+
+    source = tensors(replicas[0])
     for replica in replicas[1:]:
-        for p, q in zip(replicas[0].parameters(), replica.parameters()):
-            q.copy_(p)
-            q.grad = None
-
-
-def step_other_replicas_(optimizer: torch.optim.Optimizer, replicas: list[nn.Module],
-                         optimizers: list[torch.optim.Optimizer], clipped: bool) -> None:
-    """Step replicas 1..K-1 (`optimizers`: theirs, in order) after replica 0's `optimizer` stepped.
-
-    Each first takes replica 0's group settings (lr schedulers change replica 0's groups only) and, when
-    Lightning clipped replica 0's gradients (`clipped`), replica 0's gradients, so every replica makes the same
-    update.
-    """
-    for k, (replica, opt) in enumerate(zip(replicas[1:], optimizers), start=1):
-        with replica_phase(k, "optimizer"):
-            copy_hyperparameters_(optimizer, opt)
-            if clipped:
-                copy_gradients_(replicas[0], replica)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        targets = tensors(replica)
+        if all(q.device == p.device for p, q in zip(source, targets)):
+            by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+            for p, q in zip(source, targets):
+                dst, src = by_dtype.setdefault(p.dtype, ([], []))
+                dst.append(q)
+                src.append(p)
+            for dst, src in by_dtype.values():
+                torch._foreach_copy_(dst, src)
+        else:
+            for p, q in zip(source, targets):
+                q.copy_(p)
 
 
 def check_buffer_mode(mode: str) -> None:
@@ -208,7 +165,8 @@ def first_difference(replica0: nn.Module, replica: nn.Module) -> tuple[str, floa
 
 
 class Replica0Watch:
-    """What the other replicas, their optimizers and the exchange were built from, compared with replica 0 now.
+    """What the other replicas' `requires_grad` flags, the exchange and any partitions were built from, compared with
+    replica 0 now.
 
     Args:
         replicas: This process's replicas, replica 0 first; their parameters must not change after this (checked
@@ -220,7 +178,7 @@ class Replica0Watch:
         self.params = list(replicas[0].parameters())
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.trainable: tuple[bool, ...] | None = None  # the requires_grad flags the replicas were given last
-        self.optimizer: Optimizer | None = None  # the optimizer the copies were cloned from
+        self.optimizer: Optimizer | None = None  # the optimizer recorded last
         self.layout: Layout | None = None
         self._state: Any = None  # its `state` dict then: `load_state_dict` replaces it with a new one
 
@@ -264,22 +222,19 @@ class Replica0Watch:
                 "other replicas have no copy of it to update; build the optimizer over the module's own parameters "
                 "(self.parameters() or a subset of them)") from None
 
-    def optimizer_changed(self, optimizer: Optimizer, copies: list[Optimizer] | None = None) -> bool:
-        """Whether `optimizer` differs from the one the copies were cloned from: another object, param groups
-        added, removed or regrouped, a state loaded into it (`load_state_dict`), or, given the `copies` (only
-        between steps, when every copy has stepped as often as replica 0's), state entries added or cleared.
+    def optimizer_changed(self, optimizer: Optimizer) -> bool:
+        """Whether `optimizer` differs from the one recorded last: another object, param groups added, removed or
+        regrouped, or a state loaded into it (`load_state_dict`).
 
         Raises:
             RuntimeError: From `layout_of`.
         """
         if optimizer is not self.optimizer or optimizer.state is not self._state:
             return True
-        if self.layout_of(optimizer) != self.layout:
-            return True
-        return copies is not None and any(len(c.state) != len(optimizer.state) for c in copies)
+        return self.layout_of(optimizer) != self.layout
 
     def record(self, optimizer: Optimizer) -> None:
-        """Remember `optimizer`, as it is now, as the one the copies are cloned from.
+        """Remember `optimizer` as it is now.
 
         Raises:
             RuntimeError: From `layout_of`.
@@ -289,9 +244,9 @@ class Replica0Watch:
 
 
 def check_one_optimizer(optimizers: list) -> None:
-    """Raises RuntimeError unless there is exactly one optimizer (each replica steps its own copy of it)."""
+    """Raises RuntimeError unless there is exactly one optimizer (replica 0's, whose update the others copy)."""
     if len(optimizers) != 1:
-        raise RuntimeError(f"split_allreduce steps one optimizer (every replica keeps its own copy of it), got "
+        raise RuntimeError(f"split_allreduce steps one optimizer (replica 0's, whose parameters the others copy), got "
                            f"{len(optimizers)}: put all parameters into one optimizer, one param group per setting")
 
 
@@ -304,8 +259,8 @@ class ReplicaSet:
         trainer: The Trainer; each copy is attached to it, so that its `self.log` reaches the same results.
         sync_batchnorm: Turn the replicas' BatchNorm layers into one synchronised group (`trainer.sync_batchnorm`).
         across_processes: Whether the job has several processes (synchronised BatchNorm then spans them).
-        partitioned: The replicas update partitions of the parameters (`src.strategies.zero`), not whole copies: no
-            copies of the optimizer are made.
+        partitioned: The replicas update partitions of the parameters (`src.strategies.zero`): a change of the
+            optimizer then makes the partitions again (`follow`).
     """
 
     def __init__(self, replica0: "pl.LightningModule", devices: list[torch.device], trainer: "pl.Trainer",
@@ -316,14 +271,13 @@ class ReplicaSet:
         self.devices = devices
         self.sync_group = convert_(self.modules, across_processes) if sync_batchnorm else None
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
-        self._copies: list[Optimizer] = []  # replicas 1..K-1's optimizers
-        self.watch: Replica0Watch | None = None  # what the copies were built from
+        self.watch: Replica0Watch | None = None  # what the flags, the exchange and any partitions were built from
         self.partitioned = partitioned
 
     def follow(self, optimizers: list[Optimizer], anew: bool = False) -> bool:
         """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
         (`Replica0Watch`): new `requires_grad` flags reach every replica; another optimizer, new param groups or
-        a loaded optimizer state make every replica clone the optimizer again.
+        a loaded optimizer state are recorded (and checked to hold the module's own parameters only).
 
         Args:
             optimizers: The strategy's optimizers (exactly one).
@@ -343,15 +297,10 @@ class ReplicaSet:
             self.watch = Replica0Watch(self.modules)
         self.watch.check_parameters()
         trainable_changed = self.watch.follow_trainable()
-        optimizer_changed = self.watch.optimizer_changed(optimizers[0], self._copies)
+        optimizer_changed = self.watch.optimizer_changed(optimizers[0])
         if optimizer_changed:
-            self._clone(optimizers[0])
+            self.watch.record(optimizers[0])  # it refuses an optimizer over tensors the replicas do not have
         return trainable_changed or (optimizer_changed and self.partitioned)
-
-    def _clone(self, optimizer: Optimizer) -> None:
-        self.watch.record(optimizer)  # first: it refuses an optimizer over tensors the replicas do not have
-        if not self.partitioned:
-            self._copies = [clone_optimizer(optimizer, self.modules[0], r) for r in self.modules[1:]]
 
     def run(self, call: ShardedCall, step_context: Callable[[], Any], timed: bool) -> tuple[list[Any], list[float]]:
         """`call.hook` of every replica on its shard, then their metrics merged into replica 0's.
@@ -368,32 +317,28 @@ class ReplicaSet:
             merge_metrics_(pairs)
         return outputs, seconds
 
-    def step_others(self, optimizers: list[Optimizer], clipped: bool) -> None:
-        """After replica 0's optimizer step: the same update on every other replica. An optimizer changed after
-        the forward pass (e.g. a group added in `on_before_optimizer_step`) cannot be replayed by the copies:
-        the replicas then take replica 0's weights and clone its optimizer as it is now.
+    def take_replica0_parameters(self, buffers: bool = False) -> None:
+        """Every other replica takes replica 0's parameters (and, if `buffers`, its buffers): before each forward pass,
+        so that they compute with what replica 0 holds after its update and whatever hooks and callbacks did to it
+        since. A `dp/broadcast parameters` span of the step timeline."""
+        with phase("broadcast parameters"):
+            copy_parameters_(self.modules, buffers)
 
-        Args:
-            optimizers: The strategy's optimizers (exactly one).
-            clipped: Whether gradients were clipped (the copies then take replica 0's clipped gradients).
-        """
-        check_one_optimizer(optimizers)
-        if self.watch.optimizer_changed(optimizers[0]):
-            copy_parameters_(self.modules)
-            self._clone(optimizers[0])
-        else:
-            step_other_replicas_(optimizers[0], self.modules, self._copies, clipped)
+    def drop_other_gradients(self) -> None:
+        """After the update: replicas 1..K-1 drop their gradients (Lightning zeroes replica 0's optimizer's only)."""
+        for replica in self.modules[1:]:
+            for p in replica.parameters():
+                p.grad = None
 
     def held_bytes(self, optimizer: Optimizer, gradient_bytes: list[int]) -> list[dict[str, int]]:
         """Per replica, what each holds whole (no partitions): its parameters' bytes, `gradient_bytes` (its gradients
         after the last backward, `GradientExchange.gradient_bytes`) at the peak and when its update ran, and its
-        copy of the optimizer state (replica 0's is `optimizer`)."""
-        optimizers = [optimizer, *self._copies]
+        optimizer state: replica 0's is `optimizer`'s, the others hold none (they copy replica 0's parameters)."""
+        state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t))
         return [{"parameters": sum(p.numel() * p.element_size() for p in replica.parameters()),
-                 "gradients": grads, "gradients_at_update": grads,
-                 "optimizer_state": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                                        if torch.is_tensor(t))}
-                for replica, opt, grads in zip(self.modules, optimizers, gradient_bytes or [0] * len(self.modules))]
+                 "gradients": grads, "gradients_at_update": grads, "optimizer_state": state if k == 0 else 0}
+                for k, (replica, grads) in enumerate(zip(self.modules, gradient_bytes or [0] * len(self.modules)))]
 
     def check_in_sync(self, step: int) -> None:
         """Check every replica is bitwise equal to replica 0.
@@ -433,6 +378,6 @@ class ReplicaSet:
 
     def remove(self) -> None:
         """Make synchronised BatchNorm layers plain again (checkpoints and later stages see plain BatchNorm) and
-        drop the copies."""
+        drop the other replicas."""
         revert_(self.modules)
-        self.modules, self._copies, self._metric_pairs, self.sync_group, self.watch = [], [], [], None, None
+        self.modules, self._metric_pairs, self.sync_group, self.watch = [], [], None, None

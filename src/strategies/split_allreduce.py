@@ -3,8 +3,9 @@
 
 Read top to bottom: the settings, where the replicas live, setup, then one step. `training_step` is the
 algorithm: follow replica 0, scatter, run the replicas, gather. `optimizer_step` is the update: backward with the
-gradient exchange, step the other replicas, sync buffers. The processes (launch, process group, collectives)
-are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
+gradient exchange, replica 0's optimizer, the other replicas take its parameters, sync buffers. The processes
+(launch, process group, collectives) are the base class, `src.strategies.processes`; the replicas are
+`src.strategies.replicas`.
 """
 
 from datetime import timedelta
@@ -15,7 +16,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
@@ -23,6 +23,7 @@ from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
+from src.strategies.checkpoints import ReplicaCheckpoints
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import ProcessPartition, world_allreduce
@@ -39,13 +40,14 @@ from src.strategies.zero import Partitions, check_setup, check_stage, clip_throu
 from src.timeline.labels import phase
 
 
-class SplitAllreduceStrategy(ProcessesParallelStrategy):
+class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     """Data parallelism by hand: P processes (`trainer.devices` per node x `trainer.num_nodes`), each holding K
     model replicas (`devices` or `replicas_per_process`), every global batch split across all P x K of them.
 
     A step follows d2l.ai, "Training on Multiple GPUs", `train_batch`: scatter this process's part of the global
     batch into K shards, run `training_step` on every replica, backpropagate sum_k (n_k / N) * loss_k, allreduce
-    the gradients bucket by bucket (`src.strategies.comm`), step every replica's optimizer. Checkpoints hold
+    the gradients bucket by bucket (`src.strategies.comm`) inside that backward, step replica 0's optimizer, and
+    have the other replicas take its parameters (as `torch.nn.DataParallel` replicates). Checkpoints hold
     rank 0's replica 0, as under one device or DDP. docs/split_allreduce.md walks through a step.
 
     Args:
@@ -275,35 +277,6 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
                                         ProcessPartition(self.process_algorithm) if self.multi_process else None)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's load, keeping the checkpoint's compression state for the start of training."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._compression.keep_saved(checkpoint)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load the checkpoint into replica 0, then copy it to every other replica."""
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self.replica_set is not None:
-            self.replica_set.load_from_replica0(strict)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state dict as one device holds it; with `zero_stage`, gathered from the partitions."""
-        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-        if self.partitions is not None and inner is self.partitions.source:
-            return self.partitions.state_dict()
-        return super().optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Add the compression's state (every process's error memory: a collective, so all ranks run it), then
-        write on rank 0 as Lightning does. A weights-only checkpoint gets none."""
-        self._compression.add_to(checkpoint, self.world_size)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
     def teardown(self) -> None:
         """Remove the overlap hooks, make synchronised BatchNorm layers plain again and drop the replicas. The
         exchange stays, so its byte counts and buckets can be read after fit."""
@@ -359,22 +332,20 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         if not self._followed:
             self._follow_replica0()
         self._followed = False
+        # as DataParallel replicates the module at every forward: what hooks and callbacks did to replica 0's
+        # parameters since the last update reaches every replica
+        self.replica_set.take_replica0_parameters()
         n = batch_size_of(args[0])
-        if self.multi_process:  # N, the global batch's samples (`process_sync.global_batch_size`)
-            count, self._agreement_due = global_batch_size(
+        total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
+        if self.multi_process:
+            total, self._agreement_due = global_batch_size(
                 self.lightning_module.trainer, n, self.global_rank, self.total_replicas, self.root_device,
                 self.replica_set.sync_group is not None, self._agreement_due,
                 lambda: agreement_code(self.replica_set.watch, self.optimizers[0]))
         call = self._scatter("training_step", args, kwargs, n)  # scatter
         with self.precision_plugin.train_step_context():
             results = self._run_replicas(call)  # run the replicas
-        if not self.multi_process:
-            total = n
-        elif isinstance(count, int):  # the sampler said it
-            total = count
-        else:
-            with phase("wait/global batch size"):
-                total = count()
+        total = total()
         if any(size and out is None for size, out in results):
             return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
         with phase("gather"):
@@ -382,10 +353,25 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """One backward through the gathered loss: autograd runs every replica's part of it (on several GPUs, at
-        the same time on its per-device threads), so it is one span of the step timeline, not one per replica."""
-        with phase("backward (all replicas)"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        """Lightning's backward (its hooks, then the precision plugin's backward), with the gradient exchange inside it
+        when this backward ends a step: `on_after_backward` then sees the reduced gradient, as under DDP. One
+        backward through the gathered loss runs every replica's part of it (on several GPUs, at the same time on
+        autograd's per-device threads), so it is one span of the step timeline, not one per replica."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+
+        def backward() -> None:
+            with phase("backward (all replicas)"):
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+
+        if self.exchange is None:  # a single replica: nothing to exchange
+            backward()
+        else:
+            self.exchange.in_backward(backward)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -397,6 +383,15 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         """Run test_step on every shard; the metrics are merged into replica 0's."""
         return self._eval_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
+    @override
+    def on_validation_start(self) -> None:
+        """After the callbacks' and the module's hooks (which may swap weights in, e.g. averaged ones): every replica
+        takes replica 0's parameters and buffers. The test loop's start does the same."""
+        if self.data_parallel and self.replica_set is not None:
+            self.replica_set.take_replica0_parameters(buffers=True)
+
+    on_test_start = on_validation_start
+
     def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
         if not self.data_parallel:
             return getattr(super(), hook)(*args, **kwargs)
@@ -405,24 +400,31 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Backward with the gradient exchange, replica 0's update, then the same update on every other replica."""
+        """Lightning's step with the gradient exchange in the closure's backward, then every other replica takes
+        replica 0's parameters (or, with `zero_stage`, every replica its partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # follow before the closure, so that overlap hooks made for new `requires_grad` flags are armed in it
         self._follow_replica0()
         self._followed = True
-        # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the
-        # buckets are reduced during its backward (overlap) or after it, always before clipping and the update
-        grad_norms = self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
+        # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the buckets are
+        # exchanged in its backward (during it with overlap), before `on_after_backward`, clipping and the update
         replica0 = self.lightning_module
-        if self.partitions is not None:  # the partitions step: reduce-scatter, update, all-gather
-            out = super().optimizer_step(self.partitions, self.partitions.closure(self.exchange, closure, grad_norms),
-                                         model, **kwargs)
-        else:
-            out = super().optimizer_step(optimizer, lambda: self.exchange.around_backward(closure, grad_norms),
-                                         model, **kwargs)
-            clipped = bool(replica0.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", replica0)
-            self.replica_set.step_others(self.optimizers, clipped)
+        self.exchange.expect(self.log_grad_norms and should_update_logs(replica0.trainer))
+
+        def closure_with_exchange() -> Any:
+            out = closure()
+            self.exchange.unless_done()
+            if self.partitions is not None:
+                self.partitions.bind_gradients()
+            return out
+
+        # the partitions step: reduce-scatter, update, all-gather; else replica 0's optimizer steps and the others
+        # take its parameters (equal between steps)
+        out = super().optimizer_step(self.partitions or optimizer, closure_with_exchange, model, **kwargs)
+        if self.partitions is None:
+            self.replica_set.drop_other_gradients()
+            self.replica_set.take_replica0_parameters()
         if any(True for _ in replica0.buffers()):
             sync_every_buffer_(self.replicas, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1

@@ -98,13 +98,15 @@ class Partitions:
         processes: With several processes, the reduce-scatter and all-gather between them: local replica k's chunk
             of a bucket is then reduce-scattered across the processes, and this process's part of it is replica
             k's partition (N = P x K partitions in all). None: one process.
+        exchange: The gradient exchange whose byte counts get the all-gather's bytes too.
 
     Raises:
         RuntimeError: From `check_partitionable`, or a parameter that is neither contiguous nor channels_last.
     """
 
     def __init__(self, source: Optimizer, replica_params: list[list[nn.Parameter]], buckets: list[list[int]],
-                 stage: int, processes: ProcessPartition | None = None) -> None:
+                 stage: int, processes: ProcessPartition | None = None,
+                 exchange: GradientExchange | None = None) -> None:
         check_partitionable(source)
         self.source, self.params, self.stage, self.processes = source, replica_params, stage, processes
         between = processes.owned if processes is not None else None
@@ -131,7 +133,7 @@ class Partitions:
         self.peak_gradient_bytes = [0] * self.k  # by each replica, in the last step
         self._peak = [0] * self.k  # the same, in this step so far
         self._at_update = [0] * self.k  # by each replica, when the last update ran
-        self._exchange: GradientExchange | None = None
+        self._exchange = exchange  # its byte counts then include the all-gather of the parameters
 
     def _make_optimizer(self) -> tuple[Optimizer, list[int]]:
         """One optimizer of the source's class over every segment view, one group per (replica, source group)."""
@@ -225,18 +227,6 @@ class Partitions:
                         v.grad = memory_view(self.params[r][s.param].grad)[s.start:s.stop]
                     else:
                         v.grad = chunks[r][s.offset:s.offset + s.numel]
-
-    def closure(self, exchange: GradientExchange, closure: Callable[[], Any], grad_norms: bool) -> Callable[[], Any]:
-        """Lightning's closure with `exchange`'s reduce-scatter in it, each partition's reduced gradient then given to
-        its segments: before Lightning clips them, since in one process the partitions together are the whole
-        reduced gradient (`grad_norms`: see `GradientExchange.around_backward`)."""
-        self._exchange = exchange  # its byte counts then include the all-gather of the parameters
-
-        def run() -> Any:
-            out = exchange.around_backward(closure, grad_norms)
-            self.bind_gradients()
-            return out
-        return run
 
     # ---- the update, and the other half: all-gather of the parameters ------------------------------------------
     def step(self, closure: Callable[[], Any]) -> Any:
@@ -429,7 +419,7 @@ def partition(exchange: GradientExchange, source: Optimizer, params: list[list[n
         RuntimeError: From `Partitions`.
     """
     carried = old.full_state() if old is not None and old.source is source and not source.state else None
-    made = Partitions(source, params, exchange.buckets, stage, processes)
+    made = Partitions(source, params, exchange.buckets, stage, processes, exchange)
     made.load_full_state(carried if carried is not None else made.source_state())
     source.state.clear()  # the same dict: replica 0's watch sees no new state
     exchange.bucket_fn = made.reduce_scatter_bucket_

@@ -72,7 +72,7 @@ def category_of(name: str) -> str | None:
     if name.startswith("dp/wait/"):
         return "waiting"
     if name.startswith(("dp/allreduce", "dp/reduce-scatter", "dp/all-gather", "dp/scatter", "dp/gather",
-                        "dp/sync buffers")) or is_comm_op(name):
+                        "dp/sync buffers", "dp/broadcast parameters")) or is_comm_op(name):
         return "communication"
     if name.startswith(("dp/forward", "dp/backward", "dp/replica ", "dp/optimizer", "Optimizer.step#",
                         "Optimizer.zero_grad#")):

@@ -10,6 +10,7 @@ replica's gradient norm before the exchange when asked.
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -245,12 +246,16 @@ class GradientExchange:
         self.exchanged_beside_backward = 0  # buckets the last backward handed to the exchange thread
         # ZeRO (src.strategies.zero): each bucket is reduce-scattered into partitions instead of allreduced
         self.bucket_fn: Callable[..., list[int]] | None = None
+        self._ready: BucketReadiness | None = None  # the hooks armed for this backward, between begin and finish
+        self._due: _Due | None = None  # the exchange the next `in_backward` runs (`expect`)
+        self._grad_norms = False
 
     def around_backward(self, backward: Callable[[], Any], grad_norms: bool = False) -> Any:
-        """Run `backward` (Lightning's closure: forward, loss, backward) and leave every gradient allreduced.
+        """Run `backward` (a backward pass, or Lightning's closure: forward, loss, backward) and leave every gradient
+        exchanged: `begin`, `backward()`, `finish`.
 
         Args:
-            backward: The closure; its result is returned.
+            backward: Its result is returned.
             grad_norms: Record each replica's gradient norm first; the exchange then waits until after
                 backward, as the norms are of the gradients before it.
 
@@ -258,25 +263,67 @@ class GradientExchange:
             Exception: What `backward` raised (after every bucket handed to the exchange thread has ended), else
                 the first error of a bucket exchanged on that thread (e.g. a collective that timed out).
         """
-        ready = self.readiness if self.readiness is not None and not grad_norms else None
-        if self.compression is not None:
-            self.compression.begin_step()
-        if ready is not None:
-            self._sent_in_backward = [0] * len(self.params)
-            ready.arm()
-        elif self.readiness is not None:
-            self.readiness.reduced = []
+        self.begin(grad_norms)
         try:
             out = backward()
         except BaseException:
-            if ready is not None:
-                ready.disarm()
-            self._finish_handed(raise_errors=False)  # no exchange may still run when the step is given up
+            self.abandon()
             raise
-        left = ready.disarm() if ready is not None else None
+        self.finish()
+        return out
+
+    def expect(self, grad_norms: bool = False) -> None:
+        """Make the next `in_backward` exchange (the backward of the micro-batch that ends a step: Lightning's closure
+        in the optimizer step); `grad_norms` as in `around_backward`."""
+        self._due = _Due(grad_norms)
+
+    def in_backward(self, backward: Callable[[], Any]) -> None:
+        """Run `backward`, with the exchange around it if one is expected (`expect`), else alone (a micro-batch that
+        only accumulates gradients)."""
+        due, self._due = self._due, None
+        if due is None:
+            backward()
+        else:
+            self.around_backward(backward, due.grad_norms)
+
+    def unless_done(self) -> None:
+        """After the step's closure: if no backward ran the expected exchange (a skipped batch), run it now, over no
+        new gradients, as every process must; then expect none."""
+        due, self._due = self._due, None
+        if due is not None:
+            self.around_backward(lambda: None, due.grad_norms)
+
+    def begin(self, grad_norms: bool = False) -> None:
+        """Before the backward pass of the micro-batch that ends a step: arm the overlap hooks (unless `grad_norms`,
+        see `around_backward`)."""
+        self._grad_norms = grad_norms
+        self._ready = self.readiness if self.readiness is not None and not grad_norms else None
+        if self.compression is not None:
+            self.compression.begin_step()
+        if self._ready is not None:
+            self._sent_in_backward = [0] * len(self.params)
+            self._ready.arm()
+        elif self.readiness is not None:
+            self.readiness.reduced = []
+
+    def abandon(self) -> None:
+        """After a backward that raised: disarm the hooks and wait for every bucket handed to the exchange thread, so
+        that no exchange still runs when the step is given up."""
+        if self._ready is not None:
+            self._ready.disarm()
+        self._finish_handed(raise_errors=False)
+
+    def finish(self) -> None:
+        """After that backward: exchange the buckets the hooks did not, wait for those they handed to the exchange
+        thread, and count the bytes.
+
+        Raises:
+            Exception: The first error of a bucket exchanged on the exchange thread.
+        """
+        left = self._ready.disarm() if self._ready is not None else None
         self._finish_handed()
         self.gradient_bytes = [sum(nbytes(p.grad) for p in ps if p.grad is not None) for ps in self.params]
-        self.grad_norms = [_grad_norm(ps) for ps in self.params] if grad_norms else []
+        self.grad_norms = [_grad_norm(ps) for ps in self.params] if self._grad_norms else []
         if left is None:
             self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
                                                    between=self.between, compression=self.compression,
@@ -289,7 +336,6 @@ class GradientExchange:
         self.bytes_uncompressed = list(self.bytes_sent)
         if self.compression is not None:  # replica 0's device sends the process's compressed sum
             self.bytes_uncompressed[0] += self.compression.bytes_uncompressed - self.compression.bytes_sent
-        return out
 
     @property
     def reduced_in_backward(self) -> int | None:
@@ -333,6 +379,13 @@ class GradientExchange:
         first = next((e for e in errors if e is not None), None)
         if first is not None and raise_errors:
             raise first
+
+
+@dataclass(frozen=True)
+class _Due:
+    """An exchange expected in the next backward."""
+
+    grad_norms: bool  # take each replica's gradient norm before it
 
 
 def _grad_norm(params: list[nn.Parameter]) -> float:

@@ -1,0 +1,103 @@
+"""Ours acts as one device to what a user's own hooks and callbacks do: change gradients (torch's clipping, scaling,
+zeroing), change learning rates through the hook's `optimizer`, freeze a layer for a while, read the optimizer's
+state, read gradients in `on_after_backward`. Each class of user code runs in float64 on one device and under ours,
+and ours must end within 1e-9 of one device; each has a control showing that the code changed the result on one
+device. Code that reads a value lets it decide the learning rate, so that what it read shows in the weights.
+"""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from tests.test_user_lightning_project import FinalReplicas, UserModel, max_diff, ours, train
+
+EPOCHS = 2  # 8 optimizer steps of 24 samples
+
+
+def _total_norm(params) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+class HookedModel(UserModel):
+    """`UserModel` whose own hooks do one `kind` of thing."""
+
+    def __init__(self, kind: str = "none", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kind, self.seen_norm = kind, None
+
+    def on_after_backward(self) -> None:
+        if self.kind == "read gradients":  # under DDP the batch's gradient, reduced over the processes
+            self.seen_norm = _total_norm(self.parameters())
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.kind == "clip":
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+        elif self.kind == "read gradients":
+            optimizer.param_groups[0]["lr"] = 0.1 / (1.0 + self.seen_norm)
+
+
+class UserHooks(pl.Callback):
+    """A callback doing one `kind` of thing at fixed steps."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.kind == "freeze" and step in (2, 5):
+            pl_module.head.requires_grad_(step == 5)  # frozen for steps 2-4: its momentum must wait, not vanish
+        elif self.kind == "read state" and step > 0:  # during fit, one device's format: {index: {"momentum_buffer"}}
+            state = trainer.optimizers[0].state_dict()["state"]
+            momentum = sum(s["momentum_buffer"].norm().item() for s in state.values())
+            trainer.optimizers[0].param_groups[0]["lr"] = 0.1 / (1.0 + momentum)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        step = trainer.global_step
+        if self.kind == "scale and zero":
+            for p in pl_module.head.parameters():
+                p.grad.mul_(3.0)
+            if step % 2:
+                pl_module.body[0].bias.grad.zero_()
+        elif self.kind == "lr through the hook":
+            optimizer.param_groups[0]["lr"] = 0.05 * (1 + step % 3)
+
+
+MODEL_KINDS = ["clip", "read gradients"]
+CALLBACK_KINDS = ["scale and zero", "lr through the hook", "freeze", "read state"]
+KINDS = MODEL_KINDS + CALLBACK_KINDS
+
+
+def run(kind: str, strategy="auto", processes: int = 1, extra=()) -> tuple[torch.nn.Module, pl.Trainer]:
+    """`HookedModel` with the model's hooks (MODEL_KINDS) or `UserHooks` (CALLBACK_KINDS) doing `kind`."""
+    pl.seed_everything(0, verbose=False)
+    hooks = [UserHooks(kind)] if kind in CALLBACK_KINDS else []
+    model_kind = kind if kind in MODEL_KINDS else "none"
+    return train(strategy, processes=processes, callbacks=[*hooks, *extra], epochs=EPOCHS,
+                 model_cls=lambda **kw: HookedModel(model_kind, **kw))
+
+
+@pytest.fixture(scope="module")
+def one_device() -> dict[str, torch.nn.Module]:
+    return {kind: run(kind)[0] for kind in ["none", *KINDS]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_user_code_changes_the_result_on_one_device(one_device, kind):
+    """The controls: each kind of user code moves one device's result away from the run without it."""
+    assert max_diff(one_device[kind], one_device["none"]) > 1e-6
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param({}, id="1x2"),
+    pytest.param({"k": 3, "overlap": True, "bucket_cap_mb": 1e-4}, id="1x3-overlap"),
+    pytest.param({"k": 1, "processes": 2}, id="2x1", marks=pytest.mark.slow),
+])
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_code_equals_one_device_at_stage_0(one_device, kind, layout):
+    layout = dict(layout)
+    processes = layout.pop("processes", 1)
+    replicas = FinalReplicas()
+    model, _ = run(kind, ours(processes=processes, **layout), processes=processes, extra=[replicas])
+    assert max_diff(model, one_device[kind]) <= 1e-9
+    replicas.assert_equal()
