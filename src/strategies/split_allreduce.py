@@ -23,7 +23,7 @@ from src.layout import ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
-from src.strategies.checkpoints import ReplicaCheckpoints
+from src.strategies.replica_checkpoints import ReplicaCheckpoints
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import ProcessPartition, world_allreduce
