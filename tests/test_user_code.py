@@ -101,3 +101,89 @@ def test_user_code_equals_one_device_at_stage_0(one_device, kind, layout):
     model, _ = run(kind, ours(processes=processes, **layout), processes=processes, extra=[replicas])
     assert max_diff(model, one_device[kind]) <= 1e-9
     replicas.assert_equal()
+
+
+GRADIENT_KINDS = {"clip": "on_before_optimizer_step", "scale and zero": "on_before_optimizer_step",
+                  "read gradients": "on_after_backward"}
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param({}, id="1x2"),
+    pytest.param({"overlap": True, "bucket_cap_mb": 1e-4}, id="1x2-overlap"),
+    pytest.param({"k": 1, "processes": 2}, id="2x1", marks=pytest.mark.slow),
+])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_code_equals_one_device_or_stops_at_stage_2(one_device, kind, stage, layout):
+    """Partitioned state: stage 1 keeps the whole reduced gradient on every replica when the hooks run, so all of it
+    equals one device. Stage 2 keeps none: code that uses a gradient stops at the first step with one line naming
+    the hook and the fix; the rest equals one device."""
+    layout = dict(layout)
+    processes = layout.pop("processes", 1)
+    strategy = ours(processes=processes, zero_stage=stage, **layout)
+    if stage == 2 and kind in GRADIENT_KINDS:
+        with pytest.raises(Exception, match=f"zero_stage 2 keeps no whole gradient: {GRADIENT_KINDS[kind]} "
+                                            r"\(test_user_code.py:\d+ in .*\) used .*\.grad .* Use zero_stage: 1"):
+            run(kind, strategy, processes=processes)
+        return
+    if processes > 1 and kind == "read state":  # whole on rank 0 only: an lr made from it differs between ranks
+        with pytest.raises(Exception, match="the processes disagree on the optimizer"):
+            run(kind, strategy, processes=processes)
+        return
+    replicas = FinalReplicas()
+    model, _ = run(kind, strategy, processes=processes, extra=[replicas])
+    assert max_diff(model, one_device[kind]) <= 1e-9
+    replicas.assert_equal()
+
+
+class StateDuringFit(pl.Callback):
+    """`trainer.optimizers[0].state_dict()` at the end of every step, as a callback would read or log it."""
+
+    def __init__(self) -> None:
+        self.states: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        state = trainer.optimizers[0].state_dict()["state"]
+        self.states.append({i: {k: v.clone() for k, v in s.items()} for i, s in state.items()})
+
+
+class StateOnRank0(StateDuringFit):
+    """`StateDuringFit` on every rank (a collective across processes), saved by rank 0 to `path` at the end."""
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            torch.save(self.states, self.path)
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_optimizers_state_dict_during_fit_is_one_devices_on_rank_0(tmp_path, stage):
+    """On 2 x 1, `state_dict()` called on every rank builds the whole state on rank 0 only: there it is one device's at
+    every step."""
+    expected = StateDuringFit()
+    train(callbacks=[expected], epochs=1)
+    train(ours(k=1, processes=2, zero_stage=stage), processes=2, callbacks=[StateOnRank0(tmp_path / "s.pt")], epochs=1)
+    seen = torch.load(tmp_path / "s.pt")
+    assert len(seen) == len(expected.states) == 4
+    for mine, theirs in zip(seen, expected.states):
+        assert mine.keys() == theirs.keys() and len(theirs) == 6
+        for i, entry in theirs.items():
+            assert (mine[i]["momentum_buffer"] - entry["momentum_buffer"]).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_optimizers_state_dict_during_fit_is_one_devices(stage):
+    """On 1 x 2, at every step, the optimizer Lightning holds gives one device's state dict: one momentum per
+    parameter, each within 1e-12 of one device's."""
+    expected, seen = StateDuringFit(), StateDuringFit()
+    train(callbacks=[expected], epochs=1)
+    train(ours(zero_stage=stage), callbacks=[seen], epochs=1)
+    assert len(seen.states) == len(expected.states) == 4
+    for mine, theirs in zip(seen.states, expected.states):
+        assert mine.keys() == theirs.keys() and len(theirs) == 6
+        for i, entry in theirs.items():
+            assert (mine[i]["momentum_buffer"] - entry["momentum_buffer"]).abs().max() <= 1e-12

@@ -57,19 +57,24 @@ def test_stages_equal_one_device_in_float64(tiny_data_dir, one_device, stage, k,
 def test_stages_are_bitwise_stage_0_in_float32(tiny_data_dir, optimizer, lr):
     """The same reduce-scatter, then the same elementwise update on each chunk: bitwise the parameters, and bitwise
     the optimizer state that replica 0's optimizer holds again after fit. Three replicas: chunks of unequal size.
-    Each device sends the bytes of one ring allreduce: half of them gradients, half parameters."""
+    At stage 2 each device sends the bytes of one ring allreduce (the reduce-scatter of the gradients, the
+    all-gather of the parameters); stage 1 allreduces the whole gradient as stage 0 does, then all-gathers the
+    parameters as stage 2 does."""
     kwargs = dict(model_kwargs={"weight_decay": 1e-3, "optimizer": optimizer, "lr": lr}, steps=8,
                   precision="32-true")
     runs = {}
     for stage in (0, 1, 2):
         model, trainer, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 3, zero_stage=stage), **kwargs)
-        runs[stage] = (_state(model), trainer.optimizers[0].state_dict()["state"], trainer.strategy.bytes_sent)
-    params0, state0, sent0 = runs[0]
+        runs[stage] = (_state(model), trainer.optimizers[0].state_dict()["state"], trainer.strategy.bytes_sent,
+                       trainer.strategy.exchange.bytes_sent)
+    params0, state0, sent0, _ = runs[0]
     assert min(sent0) > 0
     assert state0 and all(state0.values())
+    gathered = [a - b for a, b in zip(runs[2][2], runs[2][3])]  # stage 2's all-gather of the parameters
+    assert runs[2][2] == sent0 and min(gathered) > 0
+    assert runs[1][3] == sent0 and runs[1][2] == [a + b for a, b in zip(sent0, gathered)]
     for stage in (1, 2):
-        params, state, sent = runs[stage]
-        assert sent == sent0
+        params, state, sent, _ = runs[stage]
         assert all(torch.equal(params0[k], params[k]) for k in params0), stage
         assert state.keys() == state0.keys()
         for i, entry in state0.items():
@@ -94,7 +99,7 @@ class HeldBytes(pl.Callback):
         self.held = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.held = trainer.strategy.partitions.held_bytes()
+        self.held = trainer.strategy.model_state_bytes()
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (2, True)])
@@ -165,20 +170,20 @@ class OwnClippingLeNet(LeNetClassifier):
 @pytest.mark.parametrize("model_cls,stage,message", [
     (AdagradLeNet, 1, "Adagrad is not one of SGD, Adam, AdamW"),
     (FusedSGDLeNet, 2, "fused SGD updates whole tensors .* model.fused_optimizer: false"),
-    (OwnClippingLeNet, 2, "OwnClippingLeNet.configure_gradient_clipping would find none. Clip with "
-                          "trainer.gradient_clip_val"),
 ])
 def test_what_cannot_be_partitioned_is_refused_by_name(tiny_data_dir, model_cls, stage, message):
     with pytest.raises(RuntimeError, match=message):
         fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=stage), model_cls=model_cls, steps=1)
 
 
-def test_stage_1_clips_with_a_modules_own_clipping_as_one_device(tiny_data_dir):
-    """Under stage 1 a `configure_gradient_clipping` of the module's own clips the partitions, which in one process
-    together are the whole reduced gradient: one device's result."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_modules_own_clipping_through_clip_gradients_equals_one_device(tiny_data_dir, stage):
+    """A `configure_gradient_clipping` of the module's own that calls `self.clip_gradients`: at stage 1 Lightning clips
+    replica 0's whole reduced gradient, at stage 2 the partitions by the norm of the whole job's: one device's
+    result either way. The control: unclipped ends elsewhere."""
     one, _, _ = fit(tiny_data_dir, model_cls=OwnClippingLeNet, steps=5)
-    zero, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=1), model_cls=OwnClippingLeNet,
-                     steps=5)
+    zero, _, _ = fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=stage),
+                     model_cls=OwnClippingLeNet, steps=5)
     unclipped, _, _ = fit(tiny_data_dir, steps=5)
     assert _max_diff(_state(one), _state(zero)) < 1e-9 < _max_diff(_state(one), _state(unclipped))
 

@@ -67,6 +67,12 @@ def copy_hook_name(source: "pl.LightningModule", target: "pl.LightningModule") -
     target._current_fx_name = source._current_fx_name
 
 
+def current_hook(module: "pl.LightningModule") -> str | None:
+    """The Lightning hook running now on `module` (e.g. "on_before_optimizer_step"), as the Trainer records it for
+    `self.log`; None outside hooks."""
+    return getattr(module, "_current_fx_name", None)
+
+
 def forget_metric_attributes(module: torch.nn.Module) -> None:
     """Clear a deep-copied LightningModule's cache of metric attribute names.
 

@@ -1,5 +1,6 @@
 """What `SplitAllreduceStrategy` adds to Lightning's checkpoint path, as a base class of it: a checkpoint holds rank
-0's replica 0 and the optimizer state as one device holds them, plus the gradient compression's state
+0's replica 0 and the optimizer state as one device holds them (with `zero_stage`, Lightning gathers it whole on
+rank 0 through `PartitionedOptimizer.consolidate_state_dict`), plus the gradient compression's state
 (`src.strategies.compression_state`); loading one gives every replica replica 0's weights.
 
 None of this runs inside a training step; it is the strategy's seam with Lightning's `_CheckpointConnector`.
@@ -7,14 +8,13 @@ None of this runs inside a training step; it is the strategy's seam with Lightni
 
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 
 class ReplicaCheckpoints(Strategy):
-    """Lightning's checkpoint hooks for a strategy with replicas (`replica_set`), optional partitions of the optimizer
-    state (`partitions`) and a checkpointed gradient compression (`_compression`), all set by the subclass."""
+    """Lightning's checkpoint hooks for a strategy with replicas (`replica_set`) and a checkpointed gradient
+    compression (`_compression`), both set by the subclass."""
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -29,14 +29,6 @@ class ReplicaCheckpoints(Strategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.replica_set is not None:
             self.replica_set.load_from_replica0(strict)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state dict as one device holds it; with `zero_stage`, gathered from the partitions."""
-        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-        if self.partitions is not None and inner is self.partitions.source:
-            return self.partitions.state_dict()
-        return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

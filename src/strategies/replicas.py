@@ -259,20 +259,17 @@ class ReplicaSet:
         trainer: The Trainer; each copy is attached to it, so that its `self.log` reaches the same results.
         sync_batchnorm: Turn the replicas' BatchNorm layers into one synchronised group (`trainer.sync_batchnorm`).
         across_processes: Whether the job has several processes (synchronised BatchNorm then spans them).
-        partitioned: The replicas update partitions of the parameters (`src.strategies.zero`): a change of the
-            optimizer then makes the partitions again (`follow`).
     """
 
     def __init__(self, replica0: "pl.LightningModule", devices: list[torch.device], trainer: "pl.Trainer",
-                 sync_batchnorm: bool, across_processes: bool, partitioned: bool = False) -> None:
+                 sync_batchnorm: bool, across_processes: bool) -> None:
         self.modules = [replica0, *(clone_replica(replica0, device) for device in devices[1:])]
         for replica in self.modules[1:]:
             replica.trainer = trainer
         self.devices = devices
         self.sync_group = convert_(self.modules, across_processes) if sync_batchnorm else None
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
-        self.watch: Replica0Watch | None = None  # what the flags, the exchange and any partitions were built from
-        self.partitioned = partitioned
+        self.watch: Replica0Watch | None = None  # what the flags and the exchange were built from
 
     def follow(self, optimizers: list[Optimizer], anew: bool = False) -> bool:
         """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
@@ -285,8 +282,7 @@ class ReplicaSet:
 
         Returns:
             Whether the `requires_grad` flags changed (always True when `anew`): the gradient exchange, whose
-            overlap hooks sit on the parameters that require a gradient, must then be made again. When
-            `partitioned`, also whether the optimizer changed: the partitions are then made again.
+            overlap hooks sit on the parameters that require a gradient, must then be made again.
 
         Raises:
             RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
@@ -297,10 +293,9 @@ class ReplicaSet:
             self.watch = Replica0Watch(self.modules)
         self.watch.check_parameters()
         trainable_changed = self.watch.follow_trainable()
-        optimizer_changed = self.watch.optimizer_changed(optimizers[0])
-        if optimizer_changed:
+        if self.watch.optimizer_changed(optimizers[0]):
             self.watch.record(optimizers[0])  # it refuses an optimizer over tensors the replicas do not have
-        return trainable_changed or (optimizer_changed and self.partitioned)
+        return trainable_changed
 
     def run(self, call: ShardedCall, step_context: Callable[[], Any], timed: bool) -> tuple[list[Any], list[float]]:
         """`call.hook` of every replica on its shard, then their metrics merged into replica 0's.

@@ -36,7 +36,8 @@ from src.strategies.process_sync import (agreement_code, check_in_sync_between_p
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
-from src.strategies.zero import Partitions, check_setup, check_stage, clip_through, partition
+from src.strategies.partitioned_optimizer import PartitionedOptimizer, over_partitions
+from src.strategies.zero import check_stage
 from src.timeline.labels import phase
 
 
@@ -114,8 +115,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
                  compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
                  powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
                  min_compression_rate: float = 2.0, zero_stage: Literal[0, 1, 2] = 0) -> None:
-        # checked here, once, before the devices are parsed; the compression is made at train start, when the
-        # world size is known
+        # checked once, before the devices are parsed; the compression is made at train start (the world size)
         self._compression = CheckpointedCompression(CompressionSpec(
             compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
         check_options(allreduce, process_allreduce, sync_buffers, bucket_cap_mb, auto_split_steps, check_sync_every)
@@ -133,7 +133,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         self.replica_set: ReplicaSet | None = None  # made at setup; kept after teardown, its replicas dropped
         self.exchange: GradientExchange | None = None  # made at train start; kept after fit (byte counts, buckets)
         self.zero_stage = zero_stage
-        self.partitions: Partitions | None = None  # with zero_stage: the partitions, from train start to teardown
+        self._update_bytes: list[int] = []  # with zero_stage: bytes each device sent in the last all-gather
         self._followed = False  # optimizer_step followed replica 0 already, for the training_step in its closure
         self._agreement_due = True  # the processes compare their optimizers at the next step (then at logging steps)
 
@@ -176,16 +176,17 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @property
     def bytes_sent(self) -> list[int]:
-        """Bytes each device sent in the last optimizer step's allreduce (with `zero_stage`: its reduce-scatter of the
-        gradients and all-gather of the parameters)."""
-        return self.exchange.bytes_sent if self.exchange is not None else []
+        """Bytes each device sent in the last optimizer step's gradient exchange (its allreduce, or at `zero_stage` 2
+        its reduce-scatter) and, with `zero_stage`, the all-gather of the parameters."""
+        sent = self.exchange.bytes_sent if self.exchange is not None else []
+        return [a + b for a, b in zip(sent, self._update_bytes)] if self._update_bytes else list(sent)
 
     def model_state_bytes(self) -> list[dict[str, int]]:
         """Per replica of this process: bytes of its "parameters", of its "gradients" at their peak in the last step
         and "gradients_at_update", and of its "optimizer_state" now, counted from the tensors it holds (with
         `zero_stage`, its partition's). Empty before training."""
-        if self.partitions is not None:
-            return self.partitions.held_bytes()
+        if self._partitioned() is not None:
+            return self._partitioned().held_bytes()
         if self.exchange is None or self.replica_set is None or not self.replica_set.modules:
             return []
         return self.replica_set.held_bytes(self.optimizers[0], self.exchange.gradient_bytes)
@@ -235,19 +236,15 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         check_trainer_setup(trainer, self.precision_plugin, sync_batchnorm_requested(self), self.split_weights)
         replica0 = self.lightning_module
         super().setup(trainer)
-        check_setup(self.zero_stage, replica0)
-        if self.zero_stage:  # the strategy clips the partitions by the norm of the whole job's gradient
-            clip_through(self.precision_plugin, lambda: self.partitions)
         self.replica_set = ReplicaSet(replica0, self.replica_devices, trainer,
-                                      sync_batchnorm_requested(self) and self.data_parallel, self.multi_process,
-                                      partitioned=self.zero_stage > 0)
+                                      sync_batchnorm_requested(self) and self.data_parallel, self.multi_process)
         if self.split_weights == "auto":
             self.auto_split = AutoSplit(self.replicas_per_process, self.auto_split_steps)
 
     @override
     def on_train_start(self) -> None:
-        """Copy the optimizer to every replica (after a checkpoint's state was restored) and make the exchange; every
-        step then carries to them what callbacks changed on replica 0 since (`ReplicaSet.follow`)."""
+        """Make the exchange and, with `zero_stage`, the partitioned optimizer (after a checkpoint's state was restored
+        into the user's); every step then carries what callbacks changed on replica 0 since (`ReplicaSet.follow`)."""
         if not self.data_parallel:
             return
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
@@ -255,26 +252,38 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
         self._agreement_due = True
 
-    def _follow_replica0(self, anew: bool = False) -> None:
-        """Carry what changed on replica 0 to the other replicas; new `requires_grad` flags need a new exchange."""
-        if self.replica_set.follow(self.optimizers, anew) or self.exchange is None:
-            self._make_exchange()
+    def _partitioned(self) -> PartitionedOptimizer | None:
+        """The optimizer Lightning holds, if it is the partitioned one (`zero_stage`, from train start to teardown)."""
+        held = self.optimizers[0] if self.optimizers else None
+        return held if isinstance(held, PartitionedOptimizer) else None
 
-    def _make_exchange(self) -> None:
-        """The gradient exchange of this strategy's settings over the replicas' parameters (the old one's hooks
-        removed)."""
+    def _follow_replica0(self, anew: bool = False) -> None:
+        """Carry what changed on replica 0 to the other replicas; build what the step runs on: with `zero_stage`, the
+        partitions around the user's optimizer (at train start, or when a callback replaced it), and the gradient
+        exchange (again when `requires_grad` flags changed: its overlap hooks sit on the trainable parameters),
+        whose bucket operation is stage 2's reduce-scatter, else the allreduce."""
+        partitioned = self._partitioned()
+        source = partitioned.source if partitioned is not None else self.optimizers[0] if self.optimizers else None
+        remake = self.replica_set.follow([source, *self.optimizers[1:]], anew) or self.exchange is None
+        params = [list(r.parameters()) for r in self.replicas]
+        if self.zero_stage and partitioned is None:
+            partitioned = PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
+                                                    self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
+                                                    if self.multi_process else None)
+            self.optimizers = [partitioned]
+            if self.zero_stage == 2:  # Lightning's clipping then clips the partitions (no whole gradient is kept)
+                self.precision_plugin = over_partitions(self.precision_plugin)
+            remake = True
+        if not remake:
+            return
         if self.exchange is not None:
             self.exchange.remove()
-        params = [list(r.parameters()) for r in self.replicas]
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
-        # with several CPU processes, overlap runs the buckets' exchange beside backward (gloo's send and receive
-        # mostly wait for the network); the GPU path keeps it in the hook, on the device's stream order
+        # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
+        bucket_op = partitioned.partitions.reduce_scatter_bucket_ if self.zero_stage == 2 else None
         self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
-                                         background, self.compression)
-        if self.zero_stage:
-            self.partitions = partition(self.exchange, self.optimizers[0], params, self.zero_stage, self.partitions,
-                                        ProcessPartition(self.process_algorithm) if self.multi_process else None)
+                                         background, self.compression, bucket_op)
 
     @override
     def teardown(self) -> None:
@@ -282,9 +291,8 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         exchange stays, so its byte counts and buckets can be read after fit."""
         if self.exchange is not None:
             self.exchange.remove()
-        if self.partitions is not None:  # replica 0's optimizer whole again, as one device leaves it
-            self.partitions.source.load_state_dict(self.partitions.state_dict())
-            self.partitions = None
+        if self._partitioned() is not None:  # the user's optimizer whole again, as one device leaves it
+            self.optimizers = [self._partitioned().release()]
         if self.replica_set is not None:
             self.replica_set.remove()
         super().teardown()
@@ -407,22 +415,15 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         # follow before the closure, so that overlap hooks made for new `requires_grad` flags are armed in it
         self._follow_replica0()
         self._followed = True
-        # Lightning calls the closure for the last micro-batch only (earlier ones just accumulate): the buckets are
-        # exchanged in its backward (during it with overlap), before `on_after_backward`, clipping and the update
-        replica0 = self.lightning_module
-        self.exchange.expect(self.log_grad_norms and should_update_logs(replica0.trainer))
-
-        def closure_with_exchange() -> Any:
-            out = closure()
-            self.exchange.unless_done()
-            if self.partitions is not None:
-                self.partitions.bind_gradients()
-            return out
-
-        # the partitions step: reduce-scatter, update, all-gather; else replica 0's optimizer steps and the others
-        # take its parameters (equal between steps)
-        out = super().optimizer_step(self.partitions or optimizer, closure_with_exchange, model, **kwargs)
-        if self.partitions is None:
+        # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
+        # hooks, clipping and the update. Replica 0's optimizer steps and the others take its parameters; the
+        # partitioned one (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
+        replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
+        closure = self.exchange.expect(closure, self.log_grad_norms and should_update_logs(replica0.trainer))
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        partitioned = self._partitioned()
+        self._update_bytes = list(partitioned.bytes_sent) if partitioned is not None else []
+        if partitioned is None:
             self.replica_set.drop_other_gradients()
             self.replica_set.take_replica0_parameters()
         if any(True for _ in replica0.buffers()):

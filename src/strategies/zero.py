@@ -1,31 +1,37 @@
 """ZeRO stages 1 and 2 over the N = P x K replicas of a job: each replica keeps the optimizer state of its own
 partition only (`src.strategies.partitions`), and under stage 2 only its partition's reduced gradient.
 
-A step, bucket by bucket: the ring's reduce-scatter (`src.strategies.comm.allreduce.reduce_scatter_`) leaves local
-replica k holding its process's sum of one chunk, and with several processes a reduce-scatter between them
-(`src.strategies.comm.process_allreduce.ProcessPartition`) leaves it the complete sum of its process's part of
-that chunk; each replica updates the parameters of its partition with the optimizer's own elementwise update; the
-two all-gathers, of the parameters this time, make every replica whole again. The bytes sent are those of the
-allreduce they replace. Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", SC 2020, sections 5.1 and 5.2 (P_os, P_os+g); torch's `ZeroRedundancyOptimizer` partitions whole
-parameters instead, DeepSpeed's stages 1 and 2 flat buffers as here.
+Stage 1 (P_os): the gradients are allreduced as at stage 0, so when the user's hooks and Lightning's clipping run
+every replica holds the whole reduced gradient, as on one device; each replica then updates its partition of the
+parameters from replica 0's gradient (the one those hooks saw and may have changed). Stage 2 (P_os+g): the ring's
+reduce-scatter (`src.strategies.comm.allreduce.reduce_scatter_`) leaves local replica k holding its process's sum of
+one chunk of each bucket, and with several processes a reduce-scatter between them
+(`src.strategies.comm.process_allreduce.ProcessPartition`) the complete sum of its process's part of that chunk;
+every parameter's whole `.grad` is freed as its bucket goes (`FreedGradient` stands in for replica 0's). Either way
+the two all-gathers, of the parameters this time, make every replica whole again. Rajbhandari et al., "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", SC 2020, sections 5.1 and 5.2; torch's
+`ZeroRedundancyOptimizer` partitions whole parameters instead, DeepSpeed's stages 1 and 2 flat buffers as here.
 
-The update is the same arithmetic as on one device because SGD, Adam and AdamW update every element from that
-element's gradient and state alone: the optimizer of the run's own class steps 1-D views of the partition's
-segments, each in a param group with its parameter's settings (a partition may cross groups).
+The partitions cover every parameter of every bucket, frozen ones too, so they never change during fit: a layer
+frozen for a while keeps its optimizer state, as on one device. The update is the same arithmetic as on one device
+because SGD, Adam and AdamW update every element from that element's gradient and state alone: the optimizer of
+the run's own class steps 1-D views of the partition's segments, each in a param group with its parameter's
+settings (a partition may cross groups). `src.strategies.partitioned_optimizer` is the face Lightning holds.
 """
 
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten
 
 from src.strategies.comm.allreduce import all_gather_, nbytes, owned_chunk, reduce_scatter_
-from src.strategies.comm.gradient_exchange import GradientExchange, in_memory_order
+from src.strategies.comm.gradient_exchange import in_memory_order
 from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.partitions import chunk_bounds, owned_bounds, owned_segments
 from src.timeline.labels import phase
@@ -47,15 +53,6 @@ def check_stage(stage: int, allreduce: str = "ring", compression: str = "none") 
     if stage and compression != "none":
         raise ValueError(f"zero_stage {stage} reduce-scatters the exact gradients; compression: {compression} sends "
                          "approximations of whole buckets. Turn one off: compression: none, or zero_stage: 0")
-
-
-def check_setup(stage: int, module: nn.Module) -> None:
-    """Raises RuntimeError for stage 2 with a LightningModule that overrides `configure_gradient_clipping` (its
-    parameters' `.grad` are freed by then: the partitions hold the reduced gradient, which the strategy clips)."""
-    if stage == 2 and is_overridden("configure_gradient_clipping", module):
-        raise RuntimeError(f"zero_stage 2 frees each parameter's .grad once its bucket is reduce-scattered, so "
-                           f"{type(module).__name__}.configure_gradient_clipping would find none. Clip with "
-                           "trainer.gradient_clip_val (and gradient_clip_algorithm), or use zero_stage: 1")
 
 
 def check_partitionable(optimizer: Optimizer) -> None:
@@ -85,40 +82,81 @@ def memory_view(t: Tensor) -> Tensor:
     return found[1]
 
 
-class Partitions:
-    """The K replicas' partitions of every bucket, the optimizer that updates them, and the two halves of the ring
-    around that update.
+class FreedGradient(Tensor):
+    """What replica 0's `.grad` of a parameter holds under stage 2 from its bucket's reduce-scatter until the next
+    zero_grad: no memory (a zero-stride view of one element), the parameter's shape, dtype and device, and an error
+    on any use of its values. So user code that reads or changes gradients (torch's clipping, scaling, logging a
+    norm) stops at once with a message naming the hook and the fix, instead of acting on nothing.
 
     Args:
-        source: Replica 0's optimizer (the one Lightning holds): its class, param groups and settings are used;
-            it never steps and holds no state while partitions exist.
+        like: The parameter.
+        name: Its name in the LightningModule.
+        hook: Returns the Lightning hook running now (e.g. "on_before_optimizer_step"), or None.
+    """
+
+    @staticmethod
+    def __new__(cls, like: Tensor, name: str, hook: Callable[[], str | None]) -> "FreedGradient":
+        made = Tensor._make_subclass(cls, torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape))
+        made.parameter_name, made.hook = name, hook
+        return made
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = next(t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, FreedGradient))
+        raise RuntimeError(freed_message(freed.hook(), freed.parameter_name, getattr(func, "__name__", str(func))))
+
+
+_METADATA = {Tensor.numel, Tensor.element_size, Tensor.dim, Tensor.size, Tensor.shape.__get__, Tensor.dtype.__get__,
+             Tensor.device.__get__, Tensor.is_floating_point, Tensor.requires_grad.__get__}
+
+
+def freed_message(hook: str | None, name: str, operation: str) -> str:
+    """The one-line error for user code that used a gradient stage 2 freed: where (the hook, and the innermost frame
+    outside torch, Lightning and this package's strategies), which parameter, and the fixes."""
+    frame = next((f for f in reversed(traceback.extract_stack())
+                  if not any(part in f.filename for part in ("/torch/", "/lightning/", "/src/strategies/"))), None)
+    where = " ".join(filter(None, [hook, f"({Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+                                   if frame is not None else None]))
+    return (f"zero_stage 2 keeps no whole gradient: {where or 'user code'} used {name}.grad ({operation}), but each "
+            "replica holds only its partition of the reduced gradient after backward. Use zero_stage: 1 (every "
+            "replica keeps the whole reduced gradient, as one device), or clip with trainer.gradient_clip_val or "
+            "self.clip_gradients, which clip the partitions")
+
+
+class Partitions:
+    """The K replicas' partitions of every bucket, the optimizer that updates them, and the halves of the ring around
+    that update.
+
+    Args:
+        source: Replica 0's optimizer (the user's): its class, param groups and settings are used; it never steps
+            and holds no state while partitions exist.
         replica_params: K lists of parameters, entry i of each the same parameter on another replica.
-        buckets: The exchange's buckets, as parameter indices (`bucket_indices`).
+        buckets: The exchange's buckets, as parameter indices (`bucket_indices` over every parameter).
         stage: 1 (optimizer state partitioned) or 2 (gradients as well).
         processes: With several processes, the reduce-scatter and all-gather between them: local replica k's chunk
             of a bucket is then reduce-scattered across the processes, and this process's part of it is replica
             k's partition (N = P x K partitions in all). None: one process.
-        exchange: The gradient exchange whose byte counts get the all-gather's bytes too.
+        names: Replica 0's parameter names, for `FreedGradient`'s message.
+        hook: Returns the Lightning hook running now, for the same.
 
     Raises:
         RuntimeError: From `check_partitionable`, or a parameter that is neither contiguous nor channels_last.
     """
 
     def __init__(self, source: Optimizer, replica_params: list[list[nn.Parameter]], buckets: list[list[int]],
-                 stage: int, processes: ProcessPartition | None = None,
-                 exchange: GradientExchange | None = None) -> None:
+                 stage: int, processes: ProcessPartition | None = None, names: Sequence[str] = (),
+                 hook: Callable[[], str | None] = lambda: None) -> None:
         check_partitionable(source)
         self.source, self.params, self.stage, self.processes = source, replica_params, stage, processes
+        self._names, self._hook = list(names) or [f"parameter {i}" for i in range(len(replica_params[0]))], hook
         between = processes.owned if processes is not None else None
         self.k = len(replica_params)
-        index = {id(p): i for i, p in enumerate(replica_params[0])}
-        self.group_of = {index[id(p)]: g for g, group in enumerate(source.param_groups) for p in group["params"]
-                         if id(p) in index}
-        # the buckets as the exchange reduces them: every parameter that requires a gradient (one outside the
-        # optimizer too, whose segments are then exchanged but not updated, as on one device)
-        trainable = [[i for i in b if replica_params[0][i].requires_grad] for b in buckets]
-        self.buckets = [b for b in trainable if b]
-        self._number = {b[0]: n for n, b in enumerate(self.buckets)}
+        self._index = {id(p): i for i, p in enumerate(replica_params[0])}
+        self.buckets = [list(b) for b in buckets if b]
+        self._bucket_of = {i: n for n, b in enumerate(self.buckets) for i in b}
         self.segments = [[owned_segments(b, [replica_params[0][i].numel() for i in b], r, self.k, between)
                           for r in range(self.k)] for b in self.buckets]  # [bucket][replica]
         numels = [sum(replica_params[0][i].numel() for i in b) for b in self.buckets]
@@ -126,124 +164,126 @@ class Partitions:
         self._owned = [[owned_bounds(n, r, self.k, between) for r in range(self.k)] for n in numels]
         self._views = [[[memory_view(replica_params[r][s.param])[s.start:s.stop] for s in self.segments[b][r]]
                         for r in range(self.k)] for b in range(len(self.buckets))]
-        self.optimizer, self._group_source = self._make_optimizer()
-        self._chunks: dict[int, list[Tensor]] = {}  # bucket -> each replica's reduced chunk, this step
-        self._had_grad: set[int] = set()  # parameters with a gradient on some replica, this step
+        self._layout: tuple = ()
+        self.optimizer, self._group_source = self._regrouped()
+        self._chunks: dict[int, list[Tensor]] = {}  # stage 2: bucket -> each replica's reduced chunk, this step
+        self._had_grad: set[int] = set()  # stage 2: parameters with a gradient on some replica, this step
         self.bytes_sent = [0] * self.k  # by each replica's device, in the last all-gather of the parameters
         self.peak_gradient_bytes = [0] * self.k  # by each replica, in the last step
         self._peak = [0] * self.k  # the same, in this step so far
         self._at_update = [0] * self.k  # by each replica, when the last update ran
-        self._exchange = exchange  # its byte counts then include the all-gather of the parameters
+        self.consolidated: dict | None = None  # the whole state, gathered to this rank, until `state_dict` takes it
 
-    def _make_optimizer(self) -> tuple[Optimizer, list[int]]:
-        """One optimizer of the source's class over every segment view, one group per (replica, source group)."""
+    def _regrouped(self) -> tuple[Optimizer, list[int]]:
+        """One optimizer of the source's class over every segment view, one group per (replica, source group) with
+        that group's settings, carrying the state of the views from the current one (if any)."""
+        group_of = {self._index[id(p)]: g for g, group in enumerate(self.source.param_groups) for p in group["params"]
+                    if id(p) in self._index}
         groups, group_source = [], []
         for r in range(self.k):
             for g, src in enumerate(self.source.param_groups):
                 views = [v for b in range(len(self.buckets)) for s, v in zip(self.segments[b][r], self._views[b][r])
-                         if self.group_of.get(s.param) == g]
+                         if group_of.get(s.param) == g]
                 if views:
                     groups.append({**{key: val for key, val in src.items() if key != "params"}, "params": views})
                     group_source.append(g)
         if not groups:
-            raise RuntimeError("zero_stage: the optimizer has no parameter that requires a gradient to partition")
-        return type(self.source)(groups), group_source
+            raise RuntimeError("zero_stage: the optimizer holds none of the module's parameters to partition")
+        made = type(self.source)(groups)
+        for view, state in getattr(self, "optimizer", made).state.items():
+            made.state[view] = state
+        self._layout = self.source_layout()
+        return made, group_source
 
-    # ---- the exchange's half: reduce-scatter ---------------------------------------------------------------------
+    def source_layout(self) -> tuple:
+        """The source's param groups as parameter indices (what the partitions' groups were made from)."""
+        return tuple(tuple(self._index.get(id(p), -1) for p in g["params"]) for g in self.source.param_groups)
+
+    # ---- stage 2's half of the exchange: reduce-scatter ------------------------------------------------------
     def reduce_scatter_bucket_(self, members: Sequence[Sequence[nn.Parameter]], index: int,
                                param_ids: Sequence[int]) -> list[int]:
-        """Reduce-scatter one bucket's gradients among the K replicas and keep each replica's chunk.
+        """Reduce-scatter one bucket's gradients among the K replicas (and the processes), keep each replica's chunk,
+        and free the whole gradients (`FreedGradient` in replica 0's). The exchange's bucket operation at stage 2.
 
         Args:
-            members: K lists of the bucket's parameters (a `.grad` of its own shape, or None: zeros).
+            members: K lists of the bucket's parameters that require a gradient (a `.grad` of its own shape, or
+                None: zeros); the bucket's other parameters count as zeros, so every chunk keeps its place.
             index: The bucket's number in the exchange.
             param_ids: Their indices in the replica's parameter list.
 
         Returns:
-            Bytes sent by each replica's device: (K-1) chunks.
+            Bytes sent by each replica's device.
         """
+        b, given = self._bucket_of[param_ids[0]], {i: j for j, i in enumerate(param_ids)}
         with phase(f"reduce-scatter bucket {index}"):
             flats = []
-            for group in members:
+            for r in range(self.k):
                 parts = []
-                for p in group:
-                    if p.grad is None:
-                        parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
-                    else:
-                        parts.append(memory_view(p.grad))
+                for i in self.buckets[b]:
+                    g = members[r][given[i]].grad if i in given else None
+                    p = self.params[r][i]
+                    parts.append(memory_view(g) if g is not None else
+                                 torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
                 flats.append(torch.cat(parts))
             # with several processes every trainable parameter takes part and is updated (as under stage 0)
             self._had_grad.update(i for j, i in enumerate(param_ids)
                                   if self.processes is not None or any(g[j].grad is not None for g in members))
-            if self.stage >= 2:  # the bucket's whole gradients are freed now (the buffers hold them for the exchange)
-                self._note_gradient_bytes()
-                for group in members:
-                    for p in group:
-                        p.grad = None
+            self._note_gradient_bytes()
+            for r, group in enumerate(members):
+                for p, i in zip(group, param_ids):
+                    p.grad = FreedGradient(p, self._names[i], self._hook) if r == 0 and p.grad is not None else None
             sent = reduce_scatter_(flats)
-            b = self._bucket_number(param_ids)
             if self.processes is not None:  # each local chunk across the processes: this process keeps its part
                 for r, (first, last) in enumerate(self._chunk[b]):
                     sent[r] += self.processes.reduce_scatter_(flats[r][first:last])
-            bounds = self._owned[b]
-            if self.stage == 1:  # the reduced chunk goes back into the replica's own gradients, for its segments
-                for r, (flat, (lo, _)) in enumerate(zip(flats, bounds)):
-                    for seg in self.segments[b][r]:
-                        if seg.param in self._had_grad:
-                            p = self.params[r][seg.param]
-                            if p.grad is None:  # a replica that computed none (an empty shard)
-                                p.grad = torch.zeros_like(p)
-                            memory_view(p.grad)[seg.start:seg.stop].copy_(flat[lo + seg.offset:lo + seg.offset
-                                                                             + seg.numel])
-                self._chunks[b] = None
-            else:  # only a copy of the owned chunk stays
-                self._chunks[b] = [flat[lo:hi].clone() for flat, (lo, hi) in zip(flats, bounds)]
+            self._chunks[b] = [flat[lo:hi].clone() for flat, (lo, hi) in zip(flats, self._owned[b])]
         return sent
-
-    def _bucket_number(self, param_ids: Sequence[int]) -> int:
-        return self._number[param_ids[0]]
 
     def _note_gradient_bytes(self) -> list[int]:
         """Each replica's gradient bytes now (its parameters' `.grad` and its reduced chunks), which also raise its
         peak of this step. Between two frees of stage 2 what a replica holds only grows, so noting it before each
-        free, and once after backward, finds the peak."""
+        free, and once at the update, finds the peak."""
         now = []
         for r in range(self.k):
-            held = sum(nbytes(p.grad) for p in self.params[r] if p.grad is not None)
-            now.append(held + sum(nbytes(c[r]) for c in self._chunks.values() if c is not None))
+            held = sum(nbytes(p.grad) for p in self.params[r] if p.grad is not None
+                       and not isinstance(p.grad, FreedGradient))
+            now.append(held + sum(nbytes(c[r]) for c in self._chunks.values()))
             self._peak[r] = max(self._peak[r], now[-1])
         return now
 
     def bind_gradients(self) -> None:
-        """Give every segment view its reduced gradient (None for a parameter no replica has a gradient of, which
-        the optimizer then skips, as on one device)."""
-        self._at_update = self._note_gradient_bytes()
-        for b, chunks in self._chunks.items():
+        """Give every segment view its reduced gradient: at stage 1 its part of replica 0's `.grad` (what the user's
+        hooks and Lightning's clipping saw and may have changed), on the view's device; at stage 2 its part of the
+        replica's chunk. None where there is no gradient (a frozen parameter), which the optimizer skips."""
+        for b in range(len(self.buckets)):
+            chunks = self._chunks.get(b)
             for r in range(self.k):
                 for s, v in zip(self.segments[b][r], self._views[b][r]):
-                    if s.param not in self._had_grad:
-                        v.grad = None
-                    elif chunks is None:  # stage 1: the reduced part of the replica's own gradient
-                        v.grad = memory_view(self.params[r][s.param].grad)[s.start:s.stop]
-                    else:
+                    if self.stage == 1:
+                        g = self.params[0][s.param].grad
+                        v.grad = None if g is None else memory_view(g)[s.start:s.stop].to(v.device)
+                    elif chunks is not None and s.param in self._had_grad:
                         v.grad = chunks[r][s.offset:s.offset + s.numel]
+                    else:
+                        v.grad = None
 
     # ---- the update, and the other half: all-gather of the parameters ------------------------------------------
-    def step(self, closure: Callable[[], Any]) -> Any:
-        """Run Lightning's closure (forward, backward with the reduce-scatter, clipping), update every partition with
-        the source's current group settings, then all-gather the parameters; what `optimizer.step` does."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run Lightning's closure (forward, backward with the exchange, the user's hooks, clipping), update every
+        partition with the source's current groups and settings, then all-gather the parameters."""
         with torch.enable_grad():
-            loss = closure()
+            loss = closure() if closure is not None else None
+        if self.source_layout() != self._layout:  # a hook added or regrouped param groups: one device steps them so
+            self.optimizer, self._group_source = self._regrouped()
+        self.bind_gradients()
+        self._at_update = self._note_gradient_bytes()
         with phase("optimizer (partitions)"):
             for group, g in zip(self.optimizer.param_groups, self._group_source):
                 group.update({key: val for key, val in self.source.param_groups[g].items() if key != "params"},
                              params=group["params"])
             self.optimizer.step()
         self.all_gather_parameters_()
-        if self._exchange is not None:
-            for counts in (self._exchange.bytes_sent, self._exchange.bytes_uncompressed):
-                counts[:] = [a + b for a, b in zip(counts, self.bytes_sent)]
-        self.zero_grad()
+        self._drop_partition_gradients()
         return loss
 
     @torch.no_grad()
@@ -263,66 +303,28 @@ class Partitions:
                     torch._foreach_copy_(v, flat.split([t.numel() for t in v]))
         self.bytes_sent = sent
 
-    def zero_grad(self) -> None:
-        """Drop every replica's gradients and the partitions' reduced chunks."""
-        for ps in self.params:
-            for p in ps:
-                p.grad = None
+    def _drop_partition_gradients(self) -> None:
+        """After the update: the views' gradients, stage 2's chunks and the other replicas' gradients go; replica 0's
+        `.grad` stays until Lightning's zero_grad, as one device's does."""
         for per_bucket in self._views:
             for views in per_bucket:
                 for v in views:
                     v.grad = None
+        for ps in self.params[1:]:
+            for p in ps:
+                p.grad = None
         self._chunks, self._had_grad = {}, set()
         self.peak_gradient_bytes, self._peak = self._peak, [0] * self.k
 
-    @property
-    def param_groups(self) -> list[dict]:
-        """The partitions' param groups (what Lightning's clipping reads: every replica's reduced chunks, which in
-        one process together are the whole reduced gradient)."""
-        return self.optimizer.param_groups
+    def zero_grad(self, freed_only: bool = False) -> None:
+        """Drop every replica's gradients and the partitions' reduced chunks (`freed_only`: only stage 2's
+        `FreedGradient`s, e.g. before Lightning moves the module at the end of fit)."""
+        for p in self.params[0]:
+            if not freed_only or isinstance(p.grad, FreedGradient):
+                p.grad = None
+        self._drop_partition_gradients()
 
-    # ---- state: partitioned while training, whole in checkpoints ---------------------------------------------
-    def full_state(self) -> dict[int, dict[str, Any]]:
-        """Every parameter's optimizer state in its own shape, on replica 0's device, keyed by the parameter's index
-        in the replica's parameter list: what one device's optimizer holds (for a checkpoint)."""
-        out: dict[int, dict[str, Any]] = {}
-        for b in range(len(self.buckets)):
-            for r in range(self.k):
-                for s, v in zip(self.segments[b][r], self._views[b][r]):
-                    state = self.optimizer.state.get(v)
-                    if not state:
-                        continue
-                    target = self.params[0][s.param]
-                    entry = out.setdefault(s.param, {})
-                    for key, val in state.items():
-                        if torch.is_tensor(val) and val.dim() == 1:
-                            whole = entry.setdefault(key, torch.zeros_like(target, dtype=val.dtype))
-                            memory_view(whole)[s.start:s.stop] = val.to(whole.device)
-                        else:
-                            entry.setdefault(key, val.clone() if torch.is_tensor(val) else val)
-        return out if self.processes is None else self._summed_over_processes(out)
-
-    def _summed_over_processes(self, out: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """`full_state` of every process added up (a collective: every process calls it). Each element belongs to
-        one replica of the job and the others hold zeros there, so the sum is the whole state. A process that holds
-        no part of a parameter learns its state's keys (and scalars, such as Adam's step) from the others."""
-        local = {i: {key: (str(v.dtype), None) if torch.is_tensor(v) and v.dim() else ("", v)
-                     for key, v in entry.items()} for i, entry in out.items()}
-        found: list[Any] = [None] * self.processes.world
-        dist.all_gather_object(found, local, group=self.processes.group)
-        for structure in found:
-            for i, keys in structure.items():
-                entry = out.setdefault(i, {})
-                for key, (dtype, scalar) in keys.items():
-                    if key not in entry:
-                        entry[key] = (torch.zeros_like(self.params[0][i], dtype=getattr(torch, dtype.split(".")[-1]))
-                                      if dtype else scalar)
-        for i in sorted(out):
-            for val in out[i].values():
-                if torch.is_tensor(val) and val.dim():
-                    dist.all_reduce(val, group=self.processes.group)
-        return out
-
+    # ---- clipping, for stage 2 (stage 1 clips replica 0's whole gradient as one device does) -----------------
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip the reduced gradient by its global L2 norm, from the partitions' squared norms added up over every
@@ -333,6 +335,7 @@ class Partitions:
             The norm before clipping, a float64 scalar on replica 0's device (where the processes' backend
             exchanges it: gloo on the CPU, NCCL on a GPU).
         """
+        self.bind_gradients()
         grads = [v.grad for g in self.optimizer.param_groups for v in g["params"] if v.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.params[0][0].device)
         for grad in grads:  # added on the device, so that the only wait for the host is the one below
@@ -346,8 +349,72 @@ class Partitions:
                 grad.mul_(scale)
         return norm
 
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every element of the reduced gradient to [-clip_value, clip_value], partition by partition."""
+        self.bind_gradients()
+        for g in self.optimizer.param_groups:
+            for v in g["params"]:
+                if v.grad is not None:
+                    v.grad.clamp_(-clip_value, clip_value)
+
+    # ---- state: partitioned while training, whole in checkpoints ---------------------------------------------
+    def local_state(self) -> dict[int, dict[str, Any]]:
+        """This process's part of the optimizer state, keyed by the parameter's index: for an elementwise tensor,
+        the list of (start, stop, values) segments it holds (in memory order); other entries (Adam's step) as
+        they are."""
+        out: dict[int, dict[str, Any]] = {}
+        for b in range(len(self.buckets)):
+            for r in range(self.k):
+                for s, v in zip(self.segments[b][r], self._views[b][r]):
+                    for key, val in self.optimizer.state.get(v, {}).items():
+                        entry = out.setdefault(s.param, {})
+                        if torch.is_tensor(val) and val.dim() == 1:
+                            entry.setdefault(key, []).append((s.start, s.stop, val))
+                        else:
+                            entry.setdefault(key, val.clone() if torch.is_tensor(val) else val)
+        return out
+
+    def assemble(self, parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+        """Every parameter's whole state, in its own shape on replica 0's device, from `local_state`s that together
+        cover it."""
+        out: dict[int, dict[str, Any]] = {}
+        for part in parts:
+            for i, entry in part.items():
+                whole = out.setdefault(i, {})
+                for key, val in entry.items():
+                    if isinstance(val, list):
+                        t = whole.setdefault(key, torch.zeros_like(self.params[0][i], dtype=val[0][2].dtype))
+                        for start, stop, seg in val:
+                            memory_view(t)[start:stop] = seg.to(t.device)
+                    else:
+                        whole.setdefault(key, val.to(self.params[0][i].device) if torch.is_tensor(val) else val)
+        return out
+
+    def consolidate(self, to: int = 0) -> None:
+        """Gather the whole state on rank `to` of the processes only (a collective: every rank calls it), as torch's
+        `ZeroRedundancyOptimizer.consolidate_state_dict`; the other ranks never hold it whole. Kept in
+        `consolidated` on that rank."""
+        if self.processes is None:
+            self.consolidated = self.assemble([self.local_state()])
+            return
+        mine = {i: {key: [(a, z, t.cpu()) for a, z, t in val] if isinstance(val, list) else val
+                    for key, val in entry.items()} for i, entry in self.local_state().items()}
+        found: list[Any] | None = [None] * self.processes.world if self.processes.rank == to else None
+        group = self.processes.group
+        dist.gather_object(mine, found, dst=to if group is None else dist.get_global_rank(group, to), group=group)
+        self.consolidated = self.assemble(found) if found is not None else None
+
+    def take_consolidated(self) -> dict[int, dict[str, Any]] | None:
+        """The state `consolidate` gathered to this rank (consolidating to rank 0 now if none is waiting), handed
+        over once; None on the other ranks."""
+        if self.consolidated is None:
+            self.consolidate(0)
+        whole, self.consolidated = self.consolidated, None
+        return whole
+
     def load_full_state(self, state: dict[int, dict[str, Any]]) -> None:
-        """Take each segment's part of every parameter's whole state (`full_state`'s format)."""
+        """Take each segment's part of every parameter's whole state (`assemble`'s format, keyed by index)."""
         self.optimizer.state.clear()
         for b in range(len(self.buckets)):
             for r in range(self.k):
@@ -361,22 +428,8 @@ class Partitions:
                         for key, val in state[s.param].items()}
 
     def source_state(self) -> dict[int, dict[str, Any]]:
-        """The source optimizer's state in `full_state`'s format (e.g. loaded from a checkpoint)."""
-        index = {id(p): i for i, p in enumerate(self.params[0])}
-        return {index[id(p)]: dict(s) for p, s in self.source.state.items() if id(p) in index}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state dict one device's optimizer would have: `source.state_dict()`'s format, whole state."""
-        layout = self.source.state_dict()
-        position = {}
-        n = 0
-        index = {id(p): i for i, p in enumerate(self.params[0])}
-        for group in self.source.param_groups:
-            for p in group["params"]:
-                position[index[id(p)]] = n
-                n += 1
-        layout["state"] = {position[i]: s for i, s in self.full_state().items()}
-        return layout
+        """The source optimizer's own state in `assemble`'s format (e.g. loaded from a checkpoint)."""
+        return {self._index[id(p)]: dict(s) for p, s in self.source.state.items() if id(p) in self._index}
 
     def held_bytes(self) -> list[dict[str, int]]:
         """Per replica: bytes of its parameters, of the gradients it held (its parameters' `.grad` and its reduced
@@ -389,38 +442,3 @@ class Partitions:
                         "gradients": self.peak_gradient_bytes[r], "gradients_at_update": self._at_update[r],
                         "optimizer_state": state})
         return out
-
-
-def clip_through(precision: Any, partitions: Callable[[], "Partitions | None"]) -> None:
-    """Make `precision` (the strategy's Lightning precision plugin) clip by norm with `Partitions.clip_grad_norm_`
-    when Lightning hands it the partitions (`trainer.gradient_clip_val`, or a module's own
-    `configure_gradient_clipping` calling `clip_gradients`): Lightning's own clipping would take the norm of this
-    process's partitions only. Other optimizers are clipped as before."""
-    lightnings = precision.clip_grad_by_norm
-
-    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-        current = partitions()
-        if current is not None and optimizer is current:
-            current.clip_grad_norm_(float(clip_val))
-        else:
-            lightnings(optimizer, clip_val)
-    precision.clip_grad_by_norm = clip_grad_by_norm
-
-
-def partition(exchange: GradientExchange, source: Optimizer, params: list[list[nn.Parameter]], stage: int,
-              old: Partitions | None, processes: ProcessPartition | None = None) -> Partitions:
-    """New partitions over `exchange`'s buckets, which then reduce-scatter instead of allreducing.
-
-    Their state comes from the `old` partitions while replica 0's optimizer `source` is the same and holds none (a
-    change of `requires_grad` flags, or a param group added), else from `source` (a checkpoint's state loaded into
-    it, or a new optimizer), which then holds none.
-
-    Raises:
-        RuntimeError: From `Partitions`.
-    """
-    carried = old.full_state() if old is not None and old.source is source and not source.state else None
-    made = Partitions(source, params, exchange.buckets, stage, processes, exchange)
-    made.load_full_state(carried if carried is not None else made.source_state())
-    source.state.clear()  # the same dict: replica 0's watch sees no new state
-    exchange.bucket_fn = made.reduce_scatter_bucket_
-    return made

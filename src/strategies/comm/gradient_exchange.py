@@ -222,6 +222,9 @@ class GradientExchange:
         compression: With `between`, how each bucket travels between the processes
             (`src.strategies.comm.compression`); None: exactly. It keeps its state (step count, PowerSGD's Q's and
             error memory) from exchange to exchange.
+        bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and
+            returns the bytes each device sent: ZeRO stage 2's reduce-scatter
+            (`src.strategies.zero.Partitions.reduce_scatter_bucket_`). None: the allreduce.
 
     Raises:
         ValueError: An unknown algorithm.
@@ -229,7 +232,7 @@ class GradientExchange:
 
     def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
                  overlap: bool, between: BetweenProcesses | None = None, background: bool = False,
-                 compression: Compression | None = None) -> None:
+                 compression: Compression | None = None, bucket_fn: Callable[..., list[int]] | None = None) -> None:
         self.params, self.between = replica_params, between
         self.algorithm = in_process_allreduce(algorithm)  # chosen once; the buckets' path runs it as it is
         self.compression = compression if between is not None else None
@@ -244,8 +247,7 @@ class GradientExchange:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="bucket-exchange") if overlap and background else None
         self._handed: list[Future] = []
         self.exchanged_beside_backward = 0  # buckets the last backward handed to the exchange thread
-        # ZeRO (src.strategies.zero): each bucket is reduce-scattered into partitions instead of allreduced
-        self.bucket_fn: Callable[..., list[int]] | None = None
+        self.bucket_fn = bucket_fn
         self._ready: BucketReadiness | None = None  # the hooks armed for this backward, between begin and finish
         self._due: _Due | None = None  # the exchange the next `in_backward` runs (`expect`)
         self._grad_norms = False
@@ -272,10 +274,16 @@ class GradientExchange:
         self.finish()
         return out
 
-    def expect(self, grad_norms: bool = False) -> None:
-        """Make the next `in_backward` exchange (the backward of the micro-batch that ends a step: Lightning's closure
-        in the optimizer step); `grad_norms` as in `around_backward`."""
+    def expect(self, closure: Callable[[], Any], grad_norms: bool = False) -> Callable[[], Any]:
+        """Make the next `in_backward` exchange: the backward of `closure`, Lightning's closure of the micro-batch that
+        ends a step (`grad_norms` as in `around_backward`). Returns `closure` followed by `unless_done`."""
         self._due = _Due(grad_norms)
+
+        def closure_with_exchange() -> Any:
+            out = closure()
+            self.unless_done()
+            return out
+        return closure_with_exchange
 
     def in_backward(self, backward: Callable[[], Any]) -> None:
         """Run `backward`, with the exchange around it if one is expected (`expect`), else alone (a micro-batch that
