@@ -106,8 +106,15 @@ def test_the_full_shard_overlay_trains_through_the_cli_and_its_checkpoint_resume
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     one = LeNetClassifier()
     assert {k: v.shape for k, v in saved["state_dict"].items()} == {k: v.shape for k, v in one.state_dict().items()}
-    shapes = sorted(tuple(s["momentum_buffer"].shape) for s in saved["optimizer_states"][0]["state"].values())
-    assert shapes == sorted(tuple(p.shape) for p in one.parameters())  # each parameter's state whole, in its shape
+    # each parameter's state whole, in its shape, at its position: one device's optimizer lists the weights first
+    # (with weight decay), then the biases (LeNetClassifier.configure_optimizers), module by module
+    weights = [p for m in one.net.modules() for n, p in m.named_parameters(recurse=False) if n != "bias"]
+    biases = [p for m in one.net.modules() for n, p in m.named_parameters(recurse=False) if n == "bias"]
+    saved_optimizer = saved["optimizer_states"][0]
+    positions = [i for group in saved_optimizer["param_groups"] for i in group["params"]]
+    assert len(positions) == len(weights + biases) == len(saved_optimizer["state"])
+    for n, p in zip(positions, weights + biases):
+        assert saved_optimizer["state"][n]["momentum_buffer"].shape == p.shape, n
     cli = main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/single.yaml",
                 *cli_args.data_args(tiny_data_dir),
                 *cli_args.trainer_args(tmp_path / "resumed", max_epochs=2, train_batches=3),

@@ -38,13 +38,18 @@ def test_auto_split_times_cuda_replicas_and_stays_exact(tiny_data_dir):
 
 def test_buffer_mean_on_cuda_keeps_resnet18_replicas_equal(tiny_data_dir):
     """`sync_buffers: mean`: each replica's BatchNorm statistics of its own shard, averaged on the GPU after every
-    step; the replicas end bitwise equal and their running means moved from zero."""
-    strategy = SplitAllreduceStrategy(devices=CUDA2, sync_buffers="mean", check_sync_every=1)
-    _, _, snap = _gpu_fit(tiny_data_dir, strategy, model_cls=ResNet18Classifier, steps=2, batch_size=8,
-                          precision="32-true")
-    assert_replicas_bitwise_equal(snap, 2)
-    means = [v for k, v in snap.states[0].items() if k.endswith("running_mean")]
+    step; the replicas end bitwise equal and their running means moved from zero. The control: `broadcast` (replica
+    0's statistics alone) ends with other running means, so the average was taken."""
+    runs = {}
+    for mode in ("mean", "broadcast"):
+        strategy = SplitAllreduceStrategy(devices=CUDA2, sync_buffers=mode, check_sync_every=1)
+        _, _, snap = _gpu_fit(tiny_data_dir, strategy, model_cls=ResNet18Classifier, steps=2, batch_size=8,
+                              precision="32-true")
+        assert_replicas_bitwise_equal(snap, 2)
+        runs[mode] = {k: v for k, v in snap.states[0].items() if k.endswith("running_mean")}
+    means = list(runs["mean"].values())
     assert means and all(m.abs().sum() > 0 for m in means)
+    assert max((runs["mean"][k] - runs["broadcast"][k]).abs().max().item() for k in runs["mean"]) > 1e-6
 
 
 @pytest.mark.parametrize("strategy", ["single", "ours"])

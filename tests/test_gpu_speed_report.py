@@ -79,6 +79,8 @@ def test_a_fit_in_a_fresh_process_reports_its_epochs_accuracy_and_compile_second
     run = gpu_speed.fit_in_fresh_process(args, str(tiny_data_dir), cache)
     assert len(run.epoch_seconds) == 2 and all(s > 0 for s in run.epoch_seconds)
     assert 0.0 <= run.test_acc <= 1.0
+    # a count over the 2 test batches of 64 images it ran, not a number made up
+    assert abs(run.test_acc * 128 - round(run.test_acc * 128)) < 1e-6
     assert run.compile_s is not None and run.compile_s > 0  # the training graph at least was compiled
     assert run.wall_s > run.compile_s and run.wall_s > sum(run.epoch_seconds)
     assert json.loads(json.dumps(vars(run)))  # its figures are plain numbers
