@@ -83,26 +83,31 @@ def merge_metrics_(pairs: list[tuple[Metric, Metric]]) -> None:
 def copy_parameters_(replicas: list[nn.Module], buffers: bool = False) -> None:
     """Make replicas 1..K-1 take replica 0's parameter values (and, if `buffers`, its buffers), each on its own device.
 
-    A replica on replica 0's device takes them in one multi-tensor copy per dtype (`torch._foreach_copy_`, as
-    `sync_buffers_`); one on another device tensor by tensor.
+    A replica on replica 0's device takes them in one multi-tensor copy per dtype (`copy_tensors_`); one on another
+    device tensor by tensor.
     """
     def tensors(module: nn.Module) -> list[Tensor]:
         return [*module.parameters(), *(module.buffers() if buffers else ())]
 
     source = tensors(replicas[0])
     for replica in replicas[1:]:
-        targets = tensors(replica)
-        if all(q.device == p.device for p, q in zip(source, targets)):
-            by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-            for p, q in zip(source, targets):
-                dst, src = by_dtype.setdefault(p.dtype, ([], []))
-                dst.append(q)
-                src.append(p)
-            for dst, src in by_dtype.values():
-                torch._foreach_copy_(dst, src)
-        else:
-            for p, q in zip(source, targets):
-                q.copy_(p)
+        copy_tensors_(tensors(replica), source)
+
+
+def copy_tensors_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """targets[i].copy_(sources[i]) for every i: where all targets lie on their source's device, one multi-tensor copy
+    per dtype (`torch._foreach_copy_`: ResNet-18's 60 buffers in 2 calls, not 60 copies), else tensor by tensor."""
+    if all(t.device == s.device for t, s in zip(targets, sources)):
+        by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for t, s in zip(targets, sources):
+            dst, src = by_dtype.setdefault(s.dtype, ([], []))
+            dst.append(t)
+            src.append(s)
+        for dst, src in by_dtype.values():
+            torch._foreach_copy_(dst, src)
+    else:
+        for t, s in zip(targets, sources):
+            t.copy_(s)
 
 
 def check_buffer_mode(mode: str) -> None:
@@ -135,18 +140,7 @@ def sync_buffers_(replicas: list[nn.Module], mode: str) -> None:
                     total.add_(b.to(root.device))
                 root.copy_(total.div_(len(bufs)))
     for bufs in per_replica[1:]:
-        if all(b.device == r.device for b, r in zip(bufs, per_replica[0])):
-            # a multi-tensor copy per dtype on replica 0's device: ResNet-18's 60 buffers in 2 calls, not 60 copies
-            by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-            for b, root in zip(bufs, per_replica[0]):
-                dst, src = by_dtype.setdefault(root.dtype, ([], []))
-                dst.append(b)
-                src.append(root)
-            for dst, src in by_dtype.values():
-                torch._foreach_copy_(dst, src)
-        else:
-            for b, root in zip(bufs, per_replica[0]):
-                b.copy_(root)
+        copy_tensors_(bufs, per_replica[0])
 
 
 @torch.no_grad()
