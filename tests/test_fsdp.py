@@ -120,3 +120,16 @@ def test_the_full_shard_overlay_trains_through_the_cli_and_its_checkpoint_resume
                 *cli_args.trainer_args(tmp_path / "resumed", max_epochs=2, train_batches=3),
                 "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--test_after_fit", "false"])
     assert cli.trainer.global_step == 2 * saved["global_step"]  # it went on from the FSDP run's step
+    # resumed where it ended (no step left to take), one device holds the checkpoint's weights and optimizer state
+    cli = main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/single.yaml",
+                *cli_args.data_args(tiny_data_dir),
+                *cli_args.trainer_args(tmp_path / "loaded", max_epochs=saved["epoch"] + 1, train_batches=3),
+                "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--test_after_fit", "false"])
+    assert cli.trainer.global_step == saved["global_step"]
+    model = cli.model.state_dict()
+    assert [k for k, v in saved["state_dict"].items() if not torch.equal(model[k].cpu(), v)] == []
+    resumed = cli.trainer.optimizers[0].state_dict()  # numbered in group order, as `positions` of the saved one
+    order = [i for group in resumed["param_groups"] for i in group["params"]]
+    state = {n: resumed["state"][m] for n, m in zip(positions, order)}
+    assert [n for n, s in saved_optimizer["state"].items()
+            if not torch.equal(state[n]["momentum_buffer"].cpu(), s["momentum_buffer"])] == []
