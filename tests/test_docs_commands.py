@@ -282,14 +282,18 @@ def _run_python_m(command: Command, module: str, args: list[str], work: Path, ru
     elif module == "src.cli" and args[0] == "fit":
         assert "trainer:" in result["stdout"] and "model:" in result["stdout"], shown
     elif module != "src.cli":
-        _check_other_module(module, result, work, shown)
+        _check_other_module(module, args, result, work, shown)
 
 
-def _check_other_module(module: str, result: dict, work: Path, shown: str) -> None:
-    """A command other than the CLI's said something and raised nothing; a forecast names the files it wrote (the
-    docs' `logs/forecast/<model>/version_N/forecast.md, ...`), and they are there."""
-    assert result["stdout"].strip() or result["stderr"].strip(), shown
+def _check_other_module(module: str, args: list[str], result: dict, work: Path, shown: str) -> None:
+    """A command other than the CLI's raised nothing and said something, or wrote what its `--out` names; a
+    forecast names the files it wrote (the docs' `logs/forecast/<model>/version_N/forecast.md, ...`), and they are
+    there."""
     assert "Traceback (most recent call last)" not in result["stderr"], shown
+    if "--out" in args:
+        assert (work / args[args.index("--out") + 1]).exists(), shown
+    else:
+        assert result["stdout"].strip() or result["stderr"].strip(), shown
     written = re.findall(r"^predicted \(not measured\): (\S+?),", result["stdout"] + result["stderr"], re.M)
     if module == "src.forecast" and written:
         assert (work / written[-1]).is_file(), shown
