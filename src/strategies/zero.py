@@ -165,18 +165,18 @@ class Partitions:
         self._views = [[[memory_view(replica_params[r][s.param])[s.start:s.stop] for s in self.segments[b][r]]
                         for r in range(self.k)] for b in range(len(self.buckets))]
         self._layout: tuple = ()
-        self.optimizer, self._group_source = self._regrouped()
+        self.optimizer, self._group_source = self._regrouped(None)
         self._chunks: dict[int, list[Tensor]] = {}  # stage 2: bucket -> each replica's reduced chunk, this step
         self._had_grad: set[int] = set()  # stage 2: parameters with a gradient on some replica, this step
         self.bytes_sent = [0] * self.k  # by each replica's device, in the last all-gather of the parameters
         self.peak_gradient_bytes = [0] * self.k  # by each replica, in the last step
         self._peak = [0] * self.k  # the same, in this step so far
         self._at_update = [0] * self.k  # by each replica, when the last update ran
-        self.consolidated: dict | None = None  # the whole state, gathered to this rank, until `state_dict` takes it
+        self._consolidated: dict | None = None  # the whole state, gathered to this rank, until `state_dict` takes it
 
-    def _regrouped(self) -> tuple[Optimizer, list[int]]:
+    def _regrouped(self, previous: Optimizer | None) -> tuple[Optimizer, list[int]]:
         """One optimizer of the source's class over every segment view, one group per (replica, source group) with
-        that group's settings, carrying the state of the views from the current one (if any)."""
+        that group's settings, carrying the state of the views from `previous` (the partitions' optimizer so far)."""
         group_of = {self._index[id(p)]: g for g, group in enumerate(self.source.param_groups) for p in group["params"]
                     if id(p) in self._index}
         groups, group_source = [], []
@@ -190,7 +190,7 @@ class Partitions:
         if not groups:
             raise RuntimeError("zero_stage: the optimizer holds none of the module's parameters to partition")
         made = type(self.source)(groups)
-        for view, state in getattr(self, "optimizer", made).state.items():
+        for view, state in (previous.state if previous is not None else {}).items():
             made.state[view] = state
         self._layout = self.source_layout()
         return made, group_source
@@ -274,7 +274,7 @@ class Partitions:
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         if self.source_layout() != self._layout:  # a hook added or regrouped param groups: one device steps them so
-            self.optimizer, self._group_source = self._regrouped()
+            self.optimizer, self._group_source = self._regrouped(self.optimizer)
         self.bind_gradients()
         self._at_update = self._note_gradient_bytes()
         with phase("optimizer (partitions)"):
@@ -394,23 +394,23 @@ class Partitions:
     def consolidate(self, to: int = 0) -> None:
         """Gather the whole state on rank `to` of the processes only (a collective: every rank calls it), as torch's
         `ZeroRedundancyOptimizer.consolidate_state_dict`; the other ranks never hold it whole. Kept in
-        `consolidated` on that rank."""
+        `_consolidated` on that rank."""
         if self.processes is None:
-            self.consolidated = self.assemble([self.local_state()])
+            self._consolidated = self.assemble([self.local_state()])
             return
         mine = {i: {key: [(a, z, t.cpu()) for a, z, t in val] if isinstance(val, list) else val
                     for key, val in entry.items()} for i, entry in self.local_state().items()}
         found: list[Any] | None = [None] * self.processes.world if self.processes.rank == to else None
         group = self.processes.group
         dist.gather_object(mine, found, dst=to if group is None else dist.get_global_rank(group, to), group=group)
-        self.consolidated = self.assemble(found) if found is not None else None
+        self._consolidated = self.assemble(found) if found is not None else None
 
     def take_consolidated(self) -> dict[int, dict[str, Any]] | None:
         """The state `consolidate` gathered to this rank (consolidating to rank 0 now if none is waiting), handed
         over once; None on the other ranks."""
-        if self.consolidated is None:
+        if self._consolidated is None:
             self.consolidate(0)
-        whole, self.consolidated = self.consolidated, None
+        whole, self._consolidated = self._consolidated, None
         return whole
 
     def load_full_state(self, state: dict[int, dict[str, Any]]) -> None:
