@@ -68,6 +68,9 @@ def test_each_of_four_replicas_holds_a_quarter_of_the_state(tiny_data_dir, tmp_p
     assert len(held) == 4 and sum(h["optimizer_state"] for h in held) == whole
     assert max(h["optimizer_state"] for h in held) <= whole // 4 + 8 * len(list(model.parameters()))
     assert sum(h["gradients_at_update"] for h in held) == whole
+    # each process keeps a receive buffer for the exchange between processes, counted once, on replica 0's row
+    assert [h["exchange_buffers"] > 0 for h in held] == [True, False, True, False], held
+    assert all(h["exchange_buffers"] <= whole for h in held)
 
 
 def test_a_checkpoint_from_processes_is_one_devices_and_resumes_on_any_layout(tiny_data_dir, tmp_path):

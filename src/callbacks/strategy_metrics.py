@@ -120,6 +120,7 @@ def _memory_line(strategy: SplitAllreduceStrategy) -> str:
 
     def mib(key: str) -> str:
         return f"{max(r[key] for r in held) / 2**20:.3g} MiB"
+    kept = f"; the process keeps {mib('exchange_buffers')} of receive buffers" if held[0]["exchange_buffers"] else ""
     return (f"split_allreduce zero_stage {strategy.zero_stage}, {len(held)} replicas: each holds at most parameters "
             f"{mib('parameters')}, gradients {mib('gradients')} ({mib('gradients_at_update')} at the update), "
-            f"optimizer state {mib('optimizer_state')}")
+            f"optimizer state {mib('optimizer_state')}{kept}")

@@ -26,7 +26,7 @@ from src.strategies.auto_split import AutoSplit
 from src.strategies.replica_checkpoints import ReplicaCheckpoints
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
-from src.strategies.comm.process_allreduce import ProcessPartition, world_allreduce
+from src.strategies.comm.process_allreduce import ProcessPartition, kept_buffer_bytes, world_allreduce
 from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
@@ -182,14 +182,16 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return [a + b for a, b in zip(sent, self._update_bytes)] if self._update_bytes else list(sent)
 
     def model_state_bytes(self) -> list[dict[str, int]]:
-        """Per replica of this process: bytes of its "parameters", of its "gradients" at their peak in the last step
-        and "gradients_at_update", and of its "optimizer_state" now, counted from the tensors it holds (with
-        `zero_stage`, its partition's). Empty before training."""
+        """Per replica of this process: bytes of its "parameters", its "gradients" at their peak in the last step and
+        "gradients_at_update", its "optimizer_state" now (with `zero_stage`, its partition's), counted from its
+        tensors; replica 0's row adds the process's kept receive buffers ("exchange_buffers"). Empty before training."""
         if self._partitioned() is not None:
-            return self._partitioned().held_bytes()
-        if self.exchange is None or self.replica_set is None or not self.replica_set.modules:
+            held = self._partitioned().held_bytes()
+        elif self.exchange is None or self.replica_set is None or not self.replica_set.modules:
             return []
-        return self.replica_set.held_bytes(self.optimizers[0], self.exchange.gradient_bytes)
+        else:
+            held = self.replica_set.held_bytes(self.optimizers[0], self.exchange.gradient_bytes)
+        return [{**row, "exchange_buffers": kept_buffer_bytes() if k == 0 else 0} for k, row in enumerate(held)]
 
     @property
     def compression(self) -> Compression | None:
@@ -340,8 +342,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         if not self._followed:
             self._follow_replica0()
         self._followed = False
-        # as DataParallel replicates the module at every forward: what hooks and callbacks did to replica 0's
-        # parameters since the last update reaches every replica
+        # as DataParallel replicates at every forward: what hooks did to replica 0 since the update reaches all
         self.replica_set.take_replica0_parameters()
         n = batch_size_of(args[0])
         total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
@@ -421,11 +422,10 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
         closure = self.exchange.expect(closure, self.log_grad_norms and should_update_logs(replica0.trainer))
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        partitioned = self._partitioned()
-        self._update_bytes = list(partitioned.bytes_sent) if partitioned is not None else []
-        if partitioned is None:
+        if (partitioned := self._partitioned()) is None:
             self.replica_set.drop_other_gradients()
             self.replica_set.take_replica0_parameters()
+        self._update_bytes = [] if partitioned is None else list(partitioned.bytes_sent)
         if any(True for _ in replica0.buffers()):
             sync_every_buffer_(self.replicas, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1

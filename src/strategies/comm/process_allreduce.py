@@ -11,6 +11,7 @@ step, each sending the other its whole buffer (the same bytes, one message laten
 """
 
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,7 @@ from src.timeline.labels import phase
 
 
 _scratch_space = threading.local()
+_kept_buffers: "weakref.WeakSet[Tensor]" = weakref.WeakSet()  # every thread's, for `kept_buffer_bytes`
 # A ring step's chunk travels in segments of at most this many bytes, two sends in flight (gloo's own ring keeps
 # two segments in flight too): a received segment is added while the next one arrives.
 SEGMENT_BYTES = 2**20
@@ -48,7 +50,14 @@ def _scratch(numel: int, like: Tensor) -> Tensor:
     key = (like.dtype, like.device)
     if key not in kept or kept[key].numel() < numel:
         kept[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _kept_buffers.add(kept[key])
     return kept[key][:numel]
+
+
+def kept_buffer_bytes() -> int:
+    """Bytes of the receive buffers that this process's threads keep between exchanges (`_scratch`): with several
+    processes the largest bucket, or at `zero_stage` 2 its chunk, per exchanging thread; 0 in one process."""
+    return sum(t.numel() * t.element_size() for t in list(_kept_buffers))
 
 
 def _segments(chunk: Tensor) -> list[Tensor]:
