@@ -36,7 +36,6 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.data.synthetic import write_fashion_mnist
@@ -162,8 +161,8 @@ def main() -> None:
     print(f"{args.model}, {psi:,} parameters, float32, SGD momentum; {args.processes} x {args.k}, global batch "
           f"{args.batch}, {args.steps} steps; MiB per process (the fullest); forecast: ZeRO's per device, N = {n}; "
           f"saved: against stage {args.stages[0]}")
-    print("| stage | overlap | held | peak of the step | peak of a save (other ranks) | counted | forecast | held saved "
-          "| step peak saved | forecast saved |")
+    print("| stage | overlap | held | peak of the step | peak of a save (other ranks) | counted | forecast "
+          "| held saved | step peak saved | forecast saved |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     measure(args, root, 0, False)  # the first fit of a process also loads kernels and starts threads: not reported
     rows, base = [], {}
@@ -173,7 +172,8 @@ def main() -> None:
             b = base.setdefault(overlap, m)  # the first stage given is the baseline
             rows.append({"stage": stage, "overlap": overlap, **m, "forecast": forecast[stage]})
             print(f"| {stage} | {overlap} | {m['held'] / MIB:.1f} | {m['step_peak'] / MIB:.1f} | "
-                  f"{m['save_peak'] / MIB:.1f} ({m['save_peak_others'] / MIB:.1f}) | {m['counted'] / MIB:.1f} | {forecast[stage] / MIB:.1f} | "
+                  f"{m['save_peak'] / MIB:.1f} ({m['save_peak_others'] / MIB:.1f}) | {m['counted'] / MIB:.1f} | "
+                  f"{forecast[stage] / MIB:.1f} | "
                   f"{(b['held'] - m['held']) / MIB:.1f} | {(b['step_peak'] - m['step_peak']) / MIB:.1f} | "
                   f"{(forecast[args.stages[0]] - forecast[stage]) / MIB:.1f} |", flush=True)
     if args.json:
