@@ -24,18 +24,18 @@ def _names(path):
 
 
 def _check_breakdown(folder, ranks):
-    """Every recorded step splits into the categories, with at most 25% unattributed in any one step and 10% in
-    the median step (the table's); the table agrees.
+    """Every recorded step splits into the categories, with at most 10% of it unattributed, and the table agrees.
 
-    A step that the OS preempts between two labelled spans gains unattributed time: on a loaded 2-core machine
-    (the suite on three workers) one step of three reached 12%, so the tight bound is held by the median.
+    The tests record steps of 128 images (about 50 ms of LeNet in float64): time the OS takes between two labelled
+    spans lands in no phase, and against steps of 25 images (about 15 ms) one such preemption on a loaded 2-core
+    machine reached 12% of a step; on a quiet one unattributed time is 2-3% of those steps, under 1% of these.
     """
     for rank in range(ranks):
         rows = process_breakdown(load_spans(folder / f"trace-rank{rank}.json"))
         assert len(rows) == 3
         for row in rows:
             assert sum(row[c] for c in CATEGORIES) == pytest.approx(row["step"], rel=1e-9)
-            assert row["compute"] > 0 and row["unattributed"] <= 0.25 * row["step"], row
+            assert row["compute"] > 0 and row["unattributed"] <= 0.10 * row["step"], row
     table = list(csv.DictReader((folder / "breakdown.csv").open()))
     assert [int(r["rank"]) for r in table] == list(range(ranks))
     assert all(float(r["unattributed_fraction"]) <= 0.10 for r in table)
@@ -122,7 +122,7 @@ def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
     from src.strategies import SplitAllreduceStrategy
 
     timeline = StepTimeline(start_step=2, steps=3, dirpath=str(tmp_path / "tl"))
-    fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=7, callbacks=[timeline])
+    fit(tiny_data_dir, SplitAllreduceStrategy(devices=["cpu", "cpu"]), steps=7, batch_size=128, callbacks=[timeline])
     assert timeline.written == tmp_path / "tl"
     names = _names(tmp_path / "tl" / "trace-rank0.json")
     assert OURS_LABELS <= names, OURS_LABELS - names
@@ -134,8 +134,8 @@ def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
 
 @pytest.mark.slow  # starts two DDP processes
 def test_ddp_two_processes(tiny_data_dir, tmp_path):
-    fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=24, callbacks=[StepTimeline(start_step=2, steps=3,
-                                                                          dirpath=str(tmp_path / "tl"))])
+    fit(tiny_data_dir, ddp(), devices=2, steps=7, batch_size=128, callbacks=[StepTimeline(start_step=2, steps=3,
+                                                                           dirpath=str(tmp_path / "tl"))])
     for rank in (0, 1):
         spans = load_spans(tmp_path / "tl" / f"trace-rank{rank}.json")
         loop_thread = next(s.tid for s in spans if s.name.startswith("dp/step"))
