@@ -28,7 +28,7 @@ from src.run.launch_checks import check_before_run
 from src.run.lightning_compat import fix_version_before_launch, give_lost_rank_reports_time
 from src.run.matmul_precision import choose as choose_matmul_precision
 from src.run.hparams_table import length_words
-from src.run.logger import RunLogger, run_hparams, run_tag
+from src.run.logger import RunLogger, discard_unfinished_runs, run_hparams, run_tag
 from src.run.progress import lines_when_not_a_terminal, summary_on_stderr
 from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads, saved_threads
@@ -99,6 +99,8 @@ class CLI(LightningCLI):
         if isinstance(logger, RunLogger):
             logger.run_hparams["run/threads"] = choice.threads  # described above, before the count was chosen
         fix_version_before_launch(self.trainer)  # after `--ckpt_path auto`, which may choose an existing one
+        if isinstance(logger, RunLogger):
+            logger.note_folder()  # a new folder is removed again if the run is refused (`discard_unfinished_runs`)
 
     before_fit = before_validate = before_test = _check
 
@@ -258,6 +260,7 @@ def run(argv: list[str] | None = None) -> int:
         check_config_files(argv)
         main()
     except Exception as err:  # every failure, ours or a library's, ends in the same one-line report
+        discard_unfinished_runs()  # a refused run leaves no folder, whenever it is refused
         if debug:
             raise
         print(f"error: {describe(err)}\n(add --debug or set {DEBUG_ENV}=1 for the full traceback)", file=sys.stderr)

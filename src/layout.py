@@ -35,6 +35,7 @@ class ParallelLayout:
             `compression`, or torch's hook under `CompressedDDPStrategy`).
         zero_stage: Ours' `zero_stage`: 0, or 1 and 2 where each replica keeps a partition of the optimizer state
             (and of the gradients); under FSDP the stage its sharding matches (2: SHARD_GRAD_OP, 3: FULL_SHARD).
+        sharding: FSDP's sharding strategy by torch's name ("SHARD_GRAD_OP", "FULL_SHARD", ...), None elsewhere.
     """
 
     strategy: str
@@ -49,6 +50,7 @@ class ParallelLayout:
     _shares: Callable[[], list[float]] | None = field(default=None, repr=False, compare=False)
     compression: str = "none"
     zero_stage: int = 0
+    sharding: str | None = None
 
     @property
     def total_replicas(self) -> int:
@@ -85,9 +87,29 @@ class ParallelLayout:
             return text
         return f"{text} ({threads} thread{'s' if threads > 1 else ''}{' each' if p > 1 else ''})"
 
+    def state_words(self) -> str:
+        """What each replica keeps of the model state, for the epoch line, when it is not all of it:
+        ", zero_stage 1 (optimizer state in 2 partitions)", ", zero_stage 2 (gradients and optimizer state in 4
+        partitions)", ", FULL_SHARD (parameters, gradients and optimizer state in 2 shards)", ", SHARD_GRAD_OP
+        (gradients and optimizer state in 2 shards)"; "" for one device, DDP and ours at stage 0."""
+        n = self.total_replicas
+        if self.sharding is not None:
+            parts = _SHARDED.get(self.sharding)
+            return f", {self.sharding} ({parts} in {n} shards)" if parts else f", {self.sharding}"
+        if self.zero_stage:
+            parts = _SHARDED["SHARD_GRAD_OP" if self.zero_stage == 2 else "ZeRO-1"]
+            return f", zero_stage {self.zero_stage} ({parts} in {n} partitions)"
+        return ""
+
     def describe(self) -> str:
         """The replicas in words, e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
         return replicas_text(self.processes, self.replicas_per_process)
+
+
+# what a replica keeps a part of, by torch's FSDP sharding strategy (and ZeRO stage 1, which FSDP has no name for)
+_SHARDED = {"ZeRO-1": "optimizer state", "SHARD_GRAD_OP": "gradients and optimizer state",
+            "FULL_SHARD": "parameters, gradients and optimizer state",
+            "HYBRID_SHARD": "parameters, gradients and optimizer state, within each node"}
 
 
 @runtime_checkable

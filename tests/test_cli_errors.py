@@ -59,6 +59,39 @@ def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
     assert not list((tmp_path / "logs").glob("**/version_*"))  # nothing written for a run that never started
 
 
+@pytest.mark.parametrize("extra, expected", [
+    # src/strategies/zero.py, at train start: the optimizer cannot be partitioned
+    (["--config", "configs/strategy/split_allreduce_zero1.yaml", "--model.init_args.fused_optimizer", "true"],
+     ["a fused SGD updates whole tensors"]),
+    # src/strategies/limits.py, at train start
+    ([*SPLIT, "--trainer.sync_batchnorm", "true", "--trainer.strategy.init_args.split_weights", "auto"],
+     ["cannot time its replicas for split_weights: auto"]),
+    # src/strategies/zero.py, at the first step: a user's callback reads the gradient that stage 2 does not keep
+    (["--config", "configs/strategy/split_allreduce_zero2.yaml",
+      "--trainer.callbacks+=tests.helpers.user_callbacks.ClipsGradients"],
+     ["zero_stage 2 keeps no whole gradient: on_before_optimizer_step", "Use zero_stage: 1"]),
+    # src/run/launch_checks.py, before the run starts
+    (["--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.sync_batchnorm", "true"],
+     ["trainer.sync_batchnorm: true with DDP on the CPU"]),
+])
+def test_a_run_refused_once_it_has_begun_leaves_no_folder(fast_args, tmp_path, capsys, extra, expected):
+    """Refusals that come when training starts or at its first step, after the logger made the run's folder, take
+    the folder away again; an earlier run of the same model keeps its own."""
+    assert run([*LENET, *fast_args, "--test_after_fit", "false"]) == 0
+    before = sorted(p for p in (tmp_path / "logs").rglob("*"))
+    assert [p.name for p in before if p.name.startswith("version_")] == ["version_0"]  # the control: a run's folder
+    _fails([*LENET, *fast_args, *extra], capsys, *expected)
+    assert sorted(p for p in (tmp_path / "logs").rglob("*")) == before
+
+
+def test_a_run_that_fails_after_it_trained_keeps_its_folder(fast_args, tmp_path, capsys):
+    """What a run recorded is never removed: after its second optimizer step the folder stays, events and all."""
+    _fails([*LENET, *fast_args, "--trainer.callbacks+=tests.helpers.user_callbacks.FailsAfterStep"], capsys,
+           "failed on purpose after step 2")
+    [run_folder] = (tmp_path / "logs").glob("**/version_*")
+    assert list(run_folder.glob("events.out.tfevents.*")) and (run_folder / "config.yaml").is_file()
+
+
 def test_cuda_without_a_gpu(fast_args, capsys, monkeypatch):
     import torch
 

@@ -48,6 +48,25 @@ def test_layout_of_every_strategy_this_tool_runs():
     assert single.words(threads=2) == "1 process x 1 replica on cpu (2 threads)"
 
 
+def test_the_epoch_lines_state_words_name_the_zero_stage_and_fsdps_sharding():
+    from src.strategies.fsdp import CPUFSDPStrategy
+
+    words = {}
+    for name, strategy, devices in [
+            ("single", "auto", 1), ("ddp", DDPStrategy(start_method="spawn"), 2),
+            ("zero0", SplitAllreduceStrategy(devices=["cpu", "cpu"]), 1),
+            ("zero1", SplitAllreduceStrategy(devices=["cpu", "cpu"], zero_stage=1), 1),
+            ("zero2 2x2", SplitAllreduceStrategy(start_method="spawn", replicas_per_process=2, zero_stage=2), 2),
+            ("shard_grad_op", CPUFSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), 2),
+            ("full_shard", CPUFSDPStrategy(sharding_strategy="FULL_SHARD"), 2)]:
+        words[name] = parallel_layout(_trainer(strategy, devices).strategy).state_words()
+    assert words == {"single": "", "ddp": "", "zero0": "",
+                     "zero1": ", zero_stage 1 (optimizer state in 2 partitions)",
+                     "zero2 2x2": ", zero_stage 2 (gradients and optimizer state in 4 partitions)",
+                     "shard_grad_op": ", SHARD_GRAD_OP (gradients and optimizer state in 2 shards)",
+                     "full_shard": ", FULL_SHARD (parameters, gradients and optimizer state in 2 shards)"}
+
+
 def test_a_strategy_this_tool_does_not_run_is_named_not_defaulted():
     with pytest.raises(TypeError, match="strategy FSDPStrategy is not one this tool runs: use trainer.strategy "
                                         "auto"):

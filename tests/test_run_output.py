@@ -14,10 +14,10 @@ from src.run import hidden_messages
 
 LENET = ["--config", "configs/lenet.yaml"]
 OURS = ["--config", "configs/strategy/split_allreduce.yaml"]  # 2 replicas in this process
-# the shape of the epoch line as README.md shows it (numbers aside)
+# the shape of the epoch line as README.md shows it (numbers aside), with what each replica keeps a part of
 EPOCH_LINE = re.compile(r"epoch (\d+): val acc \d\.\d{3}, \d+\.\d sec/epoch( \(\d+ of [\d,]+ batches\))?, "
                         r"[\d,]+ images/s, (single|ddp|split_allreduce): (\d+) process(es)? x (\d+) replicas? on cpu "
-                        r"\(\d+ threads?( each)?\)")
+                        r"\(\d+ threads?( each)?\)(, .*)?")
 
 
 def _lines(caplog, start: str) -> list[str]:
@@ -35,19 +35,24 @@ def _scalars(run: Path) -> dict[str, list[int]]:
     return found
 
 
-@pytest.mark.parametrize("strategy, overlay, layout", [
-    ("single", [], ("1", "1")),
-    ("split_allreduce", OURS, ("1", "2")),
-    ("ddp", ["--trainer.strategy", "ddp", "--trainer.devices", "1"], ("1", "1")),  # DDP's one process, in this one
+@pytest.mark.parametrize("strategy, overlay, layout, state", [
+    ("single", [], ("1", "1"), None),
+    ("split_allreduce", OURS, ("1", "2"), None),
+    ("ddp", ["--trainer.strategy", "ddp", "--trainer.devices", "1"], ("1", "1"), None),  # DDP's one process, here
+    ("split_allreduce", ["--config", "configs/strategy/split_allreduce_zero1.yaml"], ("1", "2"),
+     ", zero_stage 1 (optimizer state in 2 partitions)"),
+    ("split_allreduce", ["--config", "configs/strategy/split_allreduce_zero2.yaml"], ("1", "2"),
+     ", zero_stage 2 (gradients and optimizer state in 2 partitions)"),
 ])
-def test_the_epoch_line_names_the_strategy_beside_the_layout(strategy, overlay, layout, fast_args, caplog,
+def test_the_epoch_line_names_the_strategy_beside_the_layout(strategy, overlay, layout, state, fast_args, capsys,
                                                              own_environment):
-    with caplog.at_level(logging.INFO):
-        main(["fit", *LENET, *overlay, *fast_args, "--test_after_fit", "false"])
-    [line] = _lines(caplog, "epoch 0:")
+    """On stdout, also without a progress bar (`fast_args` switch it off), and naming the ZeRO stage where there is
+    one (FSDP's sharding: tests/test_fsdp.py)."""
+    main(["fit", *LENET, *overlay, *fast_args, "--test_after_fit", "false"])
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("epoch 0:")]
     match = EPOCH_LINE.fullmatch(line)
     assert match, line
-    assert match.group(3) == strategy and (match.group(4), match.group(6)) == layout, line
+    assert match.group(3) == strategy and (match.group(4), match.group(6)) == layout and match.group(8) == state, line
 
 
 def test_validate_test_and_predict_say_where_their_output_went(fast_args, tmp_path, caplog):

@@ -1,6 +1,7 @@
 """Per-epoch timing and throughput, logged and printed as one line per epoch."""
 
 import statistics
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -16,8 +17,9 @@ class EpochReport(pl.Callback):
     validations in between left out, as the d2l.ai chapters time an epoch's batches only) and
     `throughput/images_per_s` (training images per second over all processes), then prints
     `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s, single: 1 process x 1 replica on cpu (2 threads)` on
-    rank 0: the strategy as the run folder names it (`single`, `ddp`, `split_allreduce`), so that DDP and ours on
-    the same layout print different lines, then the layout as `ParallelLayout.words` names it; with the number of
+    rank 0: the strategy as the run folder names it (`single`, `ddp`, `split_allreduce`, `fsdp`), so that DDP and
+    ours on the same layout print different lines, then the layout as `ParallelLayout.words` names it and what each
+    replica keeps a part of (`ParallelLayout.state_words`: the ZeRO stage, FSDP's sharding); with the number of
     batches run when an epoch was cut short by max_steps or limit_train_batches, or by a restart in it, which
     `RestartReport` names at the end.
 
@@ -91,7 +93,7 @@ class EpochReport(pl.Callback):
         val_acc = trainer.callback_metrics.get("val/acc")
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
         layout = parallel_layout(trainer.strategy)
-        where = f"{layout.strategy}: {layout.words(torch.get_num_threads())}"
+        where = f"{layout.strategy}: {layout.words(torch.get_num_threads())}{layout.state_words()}"
         total = trainer.num_training_batches
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         # callbacks with epoch_words (RestartReport: ", restart 1 at step 350, 10 steps redone") add theirs
@@ -123,9 +125,12 @@ def _images_and_rank_zero_seconds(trainer: pl.Trainer, images: int, seconds: flo
 
 
 def say(trainer: pl.Trainer, line: str) -> None:
-    """Print `line` on rank 0 through the progress bar (so the bar is redrawn below it), or as info without one."""
+    """Print `line` on stdout, on rank 0 only: through the progress bar where there is one (so that the bar is
+    redrawn below it), else as a whole line (`trainer.enable_progress_bar: false`, as scripts often set)."""
+    if not trainer.is_global_zero:
+        return
     bar = trainer.progress_bar_callback
-    if bar is not None and trainer.is_global_zero:
+    if bar is not None:
         bar.print(line)
     else:
-        rank_zero_info(line)
+        print(line, file=sys.stdout, flush=True)

@@ -42,7 +42,7 @@ class HParamsMetrics(pl.Callback):
         words = length_words(trainer.global_step, trainer.num_training_batches)
         for logger in trainer.loggers:
             if isinstance(logger, RunLogger):
-                logger.describe_length(words)
+                logger.describe_length(words, trainer.global_step)
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

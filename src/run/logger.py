@@ -9,6 +9,8 @@ list of training runs stays a list of training runs.
 
 import math
 import os
+import shutil
+import weakref
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from src.run.launcher import elastic_launch, restart_count
 from src.run.lightning_compat import file_writer, set_logger_version
 from src.layout import parallel_layout
 
-__all__ = ["RunLogger", "run_hparams", "run_tag"]
+__all__ = ["RunLogger", "discard_unfinished_runs", "run_hparams", "run_tag"]
+_LOGGERS: "weakref.WeakSet[RunLogger]" = weakref.WeakSet()  # this process's, for `discard_unfinished_runs`
 
 
 def run_tag(trainer: "pl.Trainer") -> str:
@@ -96,14 +99,17 @@ class RunLogger(TensorBoardLogger):
         self.run_hparams: dict[str, Any] = {}
         self._params: dict[str, Any] | None = None  # the flattened hyperparameters, once Lightning has logged them
         self._row_written = False
+        self._new_folder, self._steps = False, 0  # see `note_folder` and `describe_length`
+        _LOGGERS.add(self)
 
     def describe_run(self, run_name: str, hparams: dict[str, Any]) -> None:
         """Set the run's folder name (below the experiment) and the hyperparameters that describe it."""
         self.run_name, self.run_hparams = run_name, dict(hparams)
 
-    def describe_length(self, words: str) -> None:
-        """Set the HPARAMS run length, e.g. "150 steps, 0.18 epochs" (`src.run.hparams_table.length_words`)."""
-        self.run_hparams["run/length"] = words
+    def describe_length(self, words: str, steps: int = 0) -> None:
+        """Set the HPARAMS run length, e.g. "150 steps, 0.18 epochs" (`src.run.hparams_table.length_words`); a fit
+        gives the `steps` it took, after which its folder is kept whatever happens (`discard_if_unfinished`)."""
+        self.run_hparams["run/length"], self._steps = words, steps
 
     def continue_run(self, version: str, run_name: str | None = None) -> None:
         """Write to `<experiment>/<run name>/<version>`: a restarted job goes on in the folder it started in.
@@ -116,6 +122,25 @@ class RunLogger(TensorBoardLogger):
         set_logger_version(self, version)
         if run_name is not None:
             self.run_name = run_name
+
+    def note_folder(self) -> None:
+        """Note, once the run's version is chosen and before it starts, whether its folder is new (not a run
+        resumed or restarted into its own folder): only a new one may be discarded (`discard_unfinished_runs`)."""
+        self._new_folder = not Path(self.log_dir).exists()
+
+    def discard_if_unfinished(self) -> Path | None:
+        """Remove the run's folder, and the folders above it up to `save_dir` that are then empty, when the run made
+        it new and trained nothing in it: no optimizer step taken (`describe_length`), no checkpoint saved. Returns
+        the folder removed, if any."""
+        folder = Path(self.log_dir)
+        if not self._new_folder or self._steps or not folder.is_dir() or any(folder.rglob("*.ckpt")):
+            return None
+        shutil.rmtree(folder, ignore_errors=True)
+        parent, root = folder.parent, Path(self.save_dir)
+        while parent != root and root in parent.parents and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()  # the run name's and the model's folders, when nothing else is in them
+            parent = parent.parent
+        return folder
 
     @property
     @override
@@ -158,6 +183,15 @@ class RunLogger(TensorBoardLogger):
         version = self.version if isinstance(self.version, str) else f"version_{self.version}"
         short = "v" + version.removeprefix("version_") if version.startswith("version_") else version
         return f"{short} {self.name} ({Path(self.save_dir).resolve()})"
+
+
+def discard_unfinished_runs() -> list[Path]:
+    """After a run was refused or failed: remove the folders that this process's loggers made for it and in which
+    nothing was recorded (`RunLogger.discard_if_unfinished`), on rank 0, which writes them. A refusal, early or at
+    the first step, then leaves no run behind; a run that logged or saved anything keeps its folder."""
+    if rank_zero_only.rank != 0:
+        return []
+    return [folder for logger in list(_LOGGERS) if (folder := logger.discard_if_unfinished()) is not None]
 
 
 def _may_restart(status: str) -> bool:

@@ -9,10 +9,10 @@ by default for `LineOutput`, which draws nothing and writes what is printed thro
 
 Why an explicit setting wins: `--trainer.enable_progress_bar true` keeps the bar even in a file (the user asked
 for it, e.g. to follow the log with `tail -f`), and `false` keeps Lightning's no-bar behaviour (the epoch line
-then goes through logging, to stderr). Only the unset default (None, which Lightning reads as "bar") is decided
-here, and only in the built Trainer: the run's saved config.yaml keeps `enable_progress_bar: null`, so a later
-`test --config <run>/config.yaml` decides again for its own stdout. A bar configured in `trainer.callbacks` is
-left alone.
+is then printed on stdout as a whole line, `src.callbacks.epoch_report.say`). Only the unset default (None,
+which Lightning reads as "bar") is decided here, and only in the built Trainer: the run's saved config.yaml keeps
+`enable_progress_bar: null`, so a later `test --config <run>/config.yaml` decides again for its own stdout.
+A bar configured in `trainer.callbacks` is left alone.
 
 Every process that runs the CLI decides from its own stdout. DDP's and our strategy's children re-run
 `python -m src.cli` with the parent's stdout, so they decide alike (and only rank 0 prints through the bar).

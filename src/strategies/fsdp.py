@@ -117,7 +117,7 @@ class CPUFSDPStrategy(FSDPStrategy):
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         return ParallelLayout("fsdp", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "torch" if p > 1 else "none", backend if p > 1 else None,
-                              zero_stage=ZERO_STAGE[self.sharding_strategy.name])
+                              zero_stage=ZERO_STAGE[self.sharding_strategy.name], sharding=self.sharding_strategy.name)
 
     def model_state_bytes(self) -> list[dict[str, Any]]:
         """This process's bytes of parameters (its shards), gradients and optimizer state now, counted from the
