@@ -39,12 +39,13 @@ def _fails(args, capsys, *expected):
       "did you mean trainer.strategy.init_args.allreduce"]),
     (["--trainer.max_epohcs", "3"], ["max_epohcs", "did you mean trainer.max_epochs"]),
     (["--data.batch_size", "0"], ["data.batch_size must be a positive integer, got 0"]),
-    (["--model.init_args.lr", "0"], ["model.lr must be > 0"]),
+    (["--model.init_args.lr", "0"], ["model.init_args.lr must be > 0"]),
     (["--trainer.max_epochs", "-1"], ["trainer.max_epochs=-1 must be >= 0"]),
     ([*SPLIT, "--data.batch_size", "1"], ["data.batch_size=1 is smaller than the 2 replicas"]),
     (["--config", "configs/strategy/ddp_cpu.yaml", "--data.batch_size", "255"],
      ["data.batch_size=255", "world size 2", "use 254 or 256"]),
-    ([*SPLIT, "--trainer.strategy.init_args.allreduce", "tree"], ["allreduce", "'ring', 'reduce_broadcast'", "tree"]),
+    ([*SPLIT, "--trainer.strategy.init_args.allreduce", "tree"],
+     ["trainer.strategy.init_args.allreduce 'tree' is not one of ring, reduce_broadcast"]),
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"], ["3 entries but there are 2 replicas"]),
     ([*SPLIT, "--trainer.strategy.init_args.split_weights", "[1, 0]"], ["split_weights must all be positive"]),
     ([*SPLIT, "--trainer.strategy.init_args.devices", "[cpu, cuda:64]"], ["cuda:64"]),  # past any one machine's GPUs
@@ -53,6 +54,21 @@ def _fails(args, capsys, *expected):
     ([*PROCS, "--trainer.strategy.init_args.split_weights", "[1, 1, 1]"],
      ["3 entries but there are 2 replicas (2 processes x 1"]),
     ([*PROCS, "--trainer.strategy.init_args.process_allreduce", "tree"], ["process_allreduce", "tree"]),
+    # errors that point to what works
+    (["--trainer.strategy", "fsdp", "--trainer.devices", "2"],
+     ["runs on GPUs only", "FSDP on the CPU: --config configs/strategy/fsdp_cpu_shard_grad_op.yaml (SHARD_GRAD_OP) "
+      "or --config configs/strategy/fsdp_cpu_full_shard.yaml (FULL_SHARD)"]),
+    ([*SPLIT, "--trainer.strategy.init_args.zero_stage", "3"],
+     ["trainer.strategy.init_args.zero_stage 3 is not one of 0, 1, 2",
+      "FSDP's FULL_SHARD: --config configs/strategy/fsdp_cpu_full_shard.yaml"]),
+    ([*SPLIT, "--trainer.strategy.init_args.sync_buffers", "avg"],
+     ["trainer.strategy.init_args.sync_buffers 'avg' is not one of broadcast, mean"]),
+    (["--trainer.strategy.init_args.sync_buffers", "mean", *SPLIT],
+     ["trainer.strategy.init_args.sync_buffers is given while trainer.strategy is 'auto'", "after the --config"]),
+    (["--config", "configs/strategy/split_allreduce_zero.yaml"],
+     ["config file configs/strategy/split_allreduce_zero.yaml does not exist", "did you mean "
+      "configs/strategy/split_allreduce_zero2.yaml or configs/strategy/split_allreduce_zero1.yaml"]),
+    (["--config", "configs/strategy/zzz.yaml"], ["configs/strategy/ holds ddp_cpu.yaml, "]),
 ])
 def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
     _fails([*LENET, *fast_args, *extra], capsys, *expected)
@@ -192,6 +208,32 @@ def test_help_lists_every_name_the_errors_accept(capsys):
     _fails([*LENET, "--trainer.accelerator", "nope"], capsys, f"the names: {', '.join(accelerator_names())}")
 
 
+def test_every_forecast_option_with_choices_lists_them(capsys):
+    """A value an option does not take gets the option and every choice it has, e.g. `--optimizer 'lamb' is not
+    one of sgd, sgd_momentum, adam, adamw`."""
+    import typing
+    from dataclasses import fields
+
+    from src.scaling.predictor import Calibration, Overrides, Paths, Question, main
+
+    def choices(hint) -> list[str]:
+        if typing.get_origin(hint) is typing.Literal:
+            return [str(c) for c in typing.get_args(hint)]
+        return [c for arg in typing.get_args(hint) for c in choices(arg)]  # Optional[Literal[...]]
+
+    hints = {name: hint for cls in (Question, Overrides, Paths, Calibration)
+             for name, hint in typing.get_type_hints(cls).items() if name in {f.name for f in fields(cls)}}
+    with_choices = {name: choices(hint) for name, hint in hints.items() if choices(hint)}
+    assert {"optimizer", "memory_precision", "compression", "batch_mode"} <= set(with_choices)  # the control
+    for name, names in with_choices.items():
+        listed = typing.get_origin(hints[name]) is list or any(typing.get_origin(a) is list
+                                                             for a in typing.get_args(hints[name]))
+        with pytest.raises(SystemExit):
+            main([f"--{name}", "[lamb]" if listed else "lamb"])
+        err = capsys.readouterr().err
+        assert f"--{name} 'lamb' is not one of {', '.join(names)}" in err, err
+
+
 def test_forecast_presets_and_links(capsys):
     from src.scaling.predictor import main
     from src.scaling.hardware import HARDWARE, link_names
@@ -274,7 +316,7 @@ def test_ckpt_path_last_finds_the_newest_run(fast_args, tmp_path, lenet_checkpoi
 
 
 def test_debug_switch_shows_the_traceback(fast_args):
-    with pytest.raises(ValueError, match="model.lr must be > 0"):
+    with pytest.raises(ValueError, match="model.init_args.lr must be > 0"):
         run([*LENET, *fast_args, "--model.init_args.lr", "0", "--debug"])
 
 

@@ -173,7 +173,7 @@ class OwnClippingLeNet(LeNetClassifier):
 
 @pytest.mark.parametrize("model_cls,stage,message", [
     (AdagradLeNet, 1, "Adagrad is not one of SGD, Adam, AdamW"),
-    (FusedSGDLeNet, 2, "fused SGD updates whole tensors .* model.fused_optimizer: false"),
+    (FusedSGDLeNet, 2, "fused SGD updates whole tensors .* model.init_args.fused_optimizer: false"),
 ])
 def test_what_cannot_be_partitioned_is_refused_by_name(tiny_data_dir, model_cls, stage, message):
     with pytest.raises(RuntimeError, match=message):

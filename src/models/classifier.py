@@ -92,19 +92,21 @@ class ImageClassifier(pl.LightningModule):
                  fused_optimizer: bool = False) -> None:
         super().__init__()
         if lr <= 0:
-            raise ValueError(f"model.lr must be > 0, got {lr}")
+            raise ValueError(f"model.init_args.lr must be > 0, got {lr}")
         if not 0 <= label_smoothing < 1:
-            raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+            raise ValueError(f"model.init_args.label_smoothing must be in [0, 1), got {label_smoothing}")
         if weight_decay < 0 or momentum < 0 or warmup_epochs < 0:
-            raise ValueError("model.weight_decay, model.momentum and model.warmup_epochs must be >= 0")
+            raise ValueError("model.init_args.weight_decay, model.init_args.momentum and model.init_args.warmup_epochs "
+                             "must be >= 0")
         if base_batch_size is not None and base_batch_size <= 0:
-            raise ValueError(f"model.base_batch_size must be a positive integer, got {base_batch_size}")
+            raise ValueError(f"model.init_args.base_batch_size must be a positive integer, got {base_batch_size}")
         if lr_scaling not in ("linear", "sqrt"):
-            raise ValueError(f"model.lr_scaling must be linear or sqrt, got {lr_scaling!r}")
+            raise ValueError(f"model.init_args.lr_scaling must be linear or sqrt, got {lr_scaling!r}")
         if max_lr is not None and max_lr <= 0:
-            raise ValueError(f"model.max_lr must be > 0 or null, got {max_lr}")
+            raise ValueError(f"model.init_args.max_lr must be > 0 or null, got {max_lr}")
         if warmup_max_lr_per_step is not None and warmup_max_lr_per_step <= 0:
-            raise ValueError(f"model.warmup_max_lr_per_step must be > 0 or null, got {warmup_max_lr_per_step}")
+            raise ValueError("model.init_args.warmup_max_lr_per_step must be > 0 or null, got "
+                             f"{warmup_max_lr_per_step}")
         self.save_hyperparameters()
         self.skipped_steps = 0
         self.net = self.build_net(num_classes)
@@ -257,8 +259,8 @@ class ImageClassifier(pl.LightningModule):
         loss, step, epoch, batch = bad
         raise FloatingPointError(
             f"non-finite training loss ({loss}) at global step {step} (epoch {epoch}, batch {batch}): lower "
-            "model.lr, add warmup or gradient clipping, or set model.nonfinite_loss: skip to skip such steps; resume "
-            "from the last good checkpoint with --ckpt_path last")
+            "model.init_args.lr, add warmup or gradient clipping, or set model.init_args.nonfinite_loss: skip to skip "
+            "such steps; resume from the last good checkpoint with --ckpt_path last")
 
     def on_train_epoch_end(self) -> None:
         # compute() merges the processes' states under DDP; the split strategy merges its replicas' each step
@@ -352,13 +354,14 @@ class ImageClassifier(pl.LightningModule):
             trainer.fit_loop.setup_data()
         batches = trainer.num_training_batches
         if math.isinf(batches):
-            raise ValueError("model.warmup_epochs needs a training loader with a length, to know the steps in an epoch")
+            raise ValueError("model.init_args.warmup_epochs needs a training loader with a length, to know the steps "
+                             "in an epoch")
         return math.ceil(batches / trainer.accumulate_grad_batches)
 
     def setup(self, stage: str) -> None:
         if self.hparams.nonfinite_loss == "skip" and self.trainer.world_size > 1:
-            raise ValueError("model.nonfinite_loss: skip is not supported with several processes (DDP): every rank "
-                             "would have to skip the same step; use stop (the default) or ignore")
+            raise ValueError("model.init_args.nonfinite_loss: skip is not supported with several processes (DDP): "
+                             "every rank would have to skip the same step; use stop (the default) or ignore")
         if self.hparams.base_batch_size is not None:
             # Lightning logs the hparams as saved in __init__ (hparams_initial): add the scaled lr to both
             add_logged_hparam(self, "lr_scaled", self.scaled_lr())

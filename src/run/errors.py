@@ -119,7 +119,8 @@ def check_config_files(argv: list[str]) -> None:
     for name in config_paths(argv):
         path = Path(name)
         if not path.is_file():
-            raise ConfigError(f"config file {name} does not exist (or is not a file): it is {what_is(path)}")
+            raise ConfigError(f"config file {name} does not exist (or is not a file): it is {what_is(path)}"
+                              f"{_nearest_files(path)}")
         try:
             text = path.read_text()
         except UnicodeDecodeError as err:
@@ -139,6 +140,55 @@ def check_config_files(argv: list[str]) -> None:
         if not isinstance(content, dict):
             raise ConfigError(f"config file {name} is YAML but not a config: it holds a {type(content).__name__}, and "
                           "a config is a mapping of keys (trainer:, model:, data:), e.g. configs/lenet.yaml")
+
+
+def _nearest_files(path: Path) -> str:
+    """" (did you mean a or b?)" with up to 3 YAML files near `path`'s name in its folder (or, for a folder that
+    does not exist, in configs/ and configs/strategy/); with none close, the YAML files its folder holds."""
+    folders = [path.parent] if path.parent.is_dir() else [Path("configs"), Path("configs/strategy")]
+    files = sorted(str(f) for folder in folders for f in folder.glob("*.y*ml"))
+    by_name = {Path(f).name: f for f in files}
+    close = difflib.get_close_matches(path.name, list(by_name), n=3, cutoff=0.6)
+    if close:
+        return f" (did you mean {' or '.join(by_name[c] for c in close)}?)"
+    return f"; {path.parent}/ holds {', '.join(by_name)}" if path.parent.is_dir() and by_name else ""
+
+
+_LITERAL = re.compile(r"Expected a typing\.Literal\[([^\]]*)\]\. Got value: (\S+)")
+# a value an option does not take, and where this project offers it instead
+_OFFERED_ELSEWHERE = {("zero_stage", "3"): "ZeRO stage 3 (the parameters partitioned too) is FSDP's FULL_SHARD: "
+                                           "--config configs/strategy/fsdp_cpu_full_shard.yaml"}
+
+
+def describe_choice(text: str) -> str | None:
+    """For jsonargparse's "Parser key "trainer.strategy": Parser key "zero_stage": Expected a typing.Literal[0, 1,
+    2]. Got value: 3": "trainer.strategy.init_args.zero_stage 3 is not one of 0, 1, 2", with where the project
+    offers that value when it does; None for any other message."""
+    found = _LITERAL.search(text)
+    keys = re.findall(r'Parser key "([\w.]+)"', text)
+    if not found or not keys:
+        return None
+    choices = [c.strip().strip("'\"") for c in found.group(1).split(",")]
+    value = found.group(2).strip("'\"")
+    key = ".init_args.".join(keys)  # a nested key is an init_arg of the class given for the outer one
+    message = f"{key} {value if value.isdigit() else repr(value)} is not one of {', '.join(choices)}"
+    elsewhere = _OFFERED_ELSEWHERE.get((keys[-1], value))
+    return f"{message}; {elsewhere}" if elsewhere else message
+
+
+_INIT_ARG_FIRST = re.compile(r'Parser key "([\w.]+)":.*Expected a dot import path string: (\S+).*'
+                             r"NestedArg\(key='(\w+)'", re.S)
+
+
+def describe_init_arg_first(text: str) -> str | None:
+    """For an init_arg given while the key still holds a name, not a class (`--trainer.strategy.init_args.allreduce`
+    before the overlay that sets the class): which order works; None for any other message."""
+    found = _INIT_ARG_FIRST.search(text)
+    if not found:
+        return None
+    key, name, arg = found.groups()
+    return (f"{key}.init_args.{arg} is given while {key} is {name!r}, which takes no init_args; give it after the "
+            f"--config overlay that sets {key} to a class (the later argument wins), or set --{key}.class_path first")
 
 
 _NOISE = (re.compile(r"^\s*(Given value( type)?|Subtypes): "), re.compile(r"^\s*- Expected a <class 'NoneType'>"),
@@ -184,7 +234,8 @@ def describe(err: BaseException) -> str:
     lost = describe_lost_rank(text)
     if lost:
         return lost
-    explained = explain(text)  # a strategy or accelerator name, or GPUs the machine does not have
+    # a name, GPUs the machine lacks, a value an option does not take, an init_arg before its class
+    explained = explain(text) or describe_choice(text) or describe_init_arg_first(text)
     if explained:
         return explained
     if isinstance(err, ConfigError) or "Union subtypes" in text or text.startswith("Parser key"):

@@ -53,6 +53,9 @@ def describe_machine() -> str:
 _STRATEGY = re.compile(r"invalid strategy name: `strategy='([^']*)'`")
 _ACCELERATOR = re.compile(r"invalid accelerator name: `accelerator='([^']*)'`")
 _NO_GPU = re.compile(r"No supported gpu backend found|`(CUDA|MPS)Accelerator` can not run on your system")
+_FSDP_NEEDS_GPU = re.compile(r"The strategy `fsdp` requires a GPU accelerator")
+FSDP_CPU_OVERLAYS = ("--config configs/strategy/fsdp_cpu_shard_grad_op.yaml (SHARD_GRAD_OP) or --config "
+                     "configs/strategy/fsdp_cpu_full_shard.yaml (FULL_SHARD), 2 processes on the CPU")
 _TOO_FEW = re.compile(r"You requested gpu: (\[[\d, ]*\])\s+But your machine only has: (\[[\d, ]*\])")
 
 
@@ -67,6 +70,9 @@ def explain(text: str) -> str | None:
         name = found.group(1)
         return (f"trainer.accelerator {name!r} is not an accelerator name{_did_you_mean(name, accelerator_names())};"
                 f" the names: {', '.join(accelerator_names())}")
+    if _FSDP_NEEDS_GPU.search(text):
+        return (f"trainer.strategy fsdp is Lightning's FSDP, which runs on GPUs only, and this run is on the CPU "
+                f"(this machine has {describe_machine()}). FSDP on the CPU: {FSDP_CPU_OVERLAYS}")
     if _NO_GPU.search(text):
         return (f"trainer.accelerator asks for a GPU, but this machine has {describe_machine()}. "
                 f"Run on the CPU: {CPU_OVERLAYS}")

@@ -433,6 +433,19 @@ def _group(cls: type, options: dict):
     return cls(**{f.name: options[f.name] for f in fields(cls)})
 
 
+def _not_a_choice(text: str) -> str | None:
+    """"--optimizer 'lamb' is not one of sgd, sgd_momentum, adam, adamw" for jsonargparse's message about a value
+    that an option with choices does not take; None for any other message."""
+    key = re.search(r'Parser key "(\w+)"', text)
+    choices = re.search(r"Expected a typing\.Literal\[([^\]]*)\]", text)
+    value = re.search(r"Given value: (\S+)|Got value: (\S+)", text)
+    if not (key and choices and value):
+        return None
+    names = [c.strip().strip("'\"") for c in choices.group(1).split(",")]
+    given = (value.group(1) or value.group(2)).strip("'\"")
+    return f"--{key.group(1)} {given!r} is not one of {', '.join(names)}{did_you_mean(given, names)}"
+
+
 def _parse(parser: object, args: list[str]) -> dict:
     """`parser.parse_args(args)` as a dict; a bad option ends in one line naming the nearest valid ones.
 
@@ -447,8 +460,8 @@ def _parse(parser: object, args: list[str]) -> dict:
         unknown = re.search(r"unrecognized arguments: --([\w-]+)", str(err))
         options = [f"--{a.dest}" for a in parser._actions if a.dest not in ("help", "config")]
         hint = did_you_mean(f"--{unknown.group(1).replace('-', '_')}", options) if unknown else ""
-        print(f"python -m src.forecast: error: {' '.join(str(err).split())}{hint} (--help lists every option)",
-              file=sys.stderr)
+        text = _not_a_choice(str(err)) or " ".join(str(err).split())
+        print(f"python -m src.forecast: error: {text}{hint} (--help lists every option)", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -46,7 +46,8 @@ def check_stage(stage: int, allreduce: str = "ring", compression: str = "none") 
     the processes exchange gradients exactly (`compression: none`)."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be 0 (every replica holds everything), 1 (optimizer state partitioned) "
-                         f"or 2 (optimizer state and gradients partitioned), got {stage!r}")
+                         f"or 2 (optimizer state and gradients partitioned), got {stage!r}; stage 3 (parameters "
+                         "too) is FSDP's FULL_SHARD: configs/strategy/fsdp_cpu_full_shard.yaml")
     if stage and allreduce != "ring":
         raise ValueError(f"zero_stage {stage} partitions the state over the ring's chunks; allreduce: {allreduce} has "
                          "none. Use allreduce: ring, or zero_stage: 0")
@@ -65,8 +66,8 @@ def check_partitionable(optimizer: Optimizer) -> None:
                            "of them, or zero_stage: 0")
     if any(group.get("fused") for group in optimizer.param_groups):
         raise RuntimeError(f"zero_stage: a fused {name} updates whole tensors in one kernel; build it with "
-                           "fused=False (the default; for this project's models, model.fused_optimizer: false), or use "
-                           "zero_stage: 0")
+                           "fused=False (the default; for this project's models, model.init_args.fused_optimizer: "
+                           "false), or use zero_stage: 0")
 
 
 def memory_view(t: Tensor) -> Tensor:
