@@ -18,6 +18,21 @@ def test_files_already_present_are_used(tiny_data_dir, tmp_path):
     assert ensure_raw_files(tiny_data_dir, debian_dir=tmp_path / "none", download=False) == "present"
 
 
+def test_filling_a_data_folder_says_where_the_data_came_from_once(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from src.data import fashion_mnist
+
+    monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", write_fashion_mnist(tmp_path / "debian", gz=True))
+    dm = FashionMNISTDataModule(str(tmp_path / "data"), val_size=100, download=False)
+    with caplog.at_level(logging.INFO):
+        dm.prepare_data()
+        dm.prepare_data()  # the files are there now: nothing to say
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert lines == [f"data: Fashion-MNIST unpacked from Debian's dataset-fashion-mnist package ({tmp_path}/debian) "
+                     f"into {tmp_path}/data/FashionMNIST/raw/ (1 MB)"], lines
+
+
 def test_debian_gz_files_are_unpacked(tmp_path):
     debian = write_fashion_mnist(tmp_path / "debian", gz=True)
     root = tmp_path / "data"

@@ -77,25 +77,32 @@ def test_validate_test_and_predict_say_where_their_output_went(fast_args, tmp_pa
     assert csv == tmp_path / "out" / "lenet" / "predict" / "predictions_0.csv" and csv.is_file()
 
 
-def test_a_run_shorter_than_the_logging_interval_says_so_and_writes_no_step_scalars(fast_args, tmp_path, caplog):
-    """3 training steps under ours with the default interval of 50: no train/loss_step and no comm/* in the event
-    files, and one line that names the option. With an interval of 1 both are written, and nothing is said."""
-    short = [*LENET, *OURS, *fast_args, "--test_after_fit", "false"]
+@pytest.mark.parametrize("length", [["--trainer.max_epochs", "1"], ["--trainer.max_steps", "3",
+                                                                     "--trainer.max_epochs", "5"]],
+                         ids=["epoch", "max_steps"])
+def test_a_run_shorter_than_the_logging_interval_names_exactly_the_scalars_it_does_not_write(fast_args, tmp_path,
+                                                                                              caplog, length):
+    """3 training steps under ours (overlap and grad norms on, so that every per-step tag is in play) with the
+    default interval of 50, ended by its epoch or by max_steps (whose last step Lightning treats as stopping): one
+    line that names the option and exactly the tags that the same run with an interval of 1 writes and it does
+    not. With an interval of 1 nothing is said."""
+    short = [*LENET, *OURS, *fast_args, *length, "--test_after_fit", "false",
+             "--trainer.strategy.init_args.overlap", "true", "--trainer.strategy.init_args.log_grad_norms", "true"]
     with caplog.at_level(logging.INFO):
         main(["fit", *short])
     [note] = _lines(caplog, "logging:")
     assert "3 training steps reach no logging step" in note and "--trainer.log_every_n_steps 3 or lower" in note
-    assert "train/loss_step" in note and "comm/*" in note
-    tags = _scalars(tmp_path / "logs" / "lenet" / "split_allreduce-1x2-cpu" / "version_0")
-    assert "train/loss_epoch" in tags and "val/acc" in tags  # epoch scalars do not wait for a logging step
-    assert not [t for t in tags if t == "train/loss_step" or t.startswith("comm/")], sorted(tags)
-
+    named = set(re.search(r"per-step scalars \((.*)\); set", note).group(1).split(", "))
     caplog.clear()
     with caplog.at_level(logging.INFO):
         main(["fit", *short, "--trainer.log_every_n_steps", "1"])
     assert not _lines(caplog, "logging:")
-    tags = _scalars(tmp_path / "logs" / "lenet" / "split_allreduce-1x2-cpu" / "version_1")
-    assert tags["train/loss_step"] == [0, 1, 2] and tags["comm/bytes_sent_per_device_max"] == [0, 1, 2]
+    run = tmp_path / "logs" / "lenet" / "split_allreduce-1x2-cpu"
+    quiet, every_step = _scalars(run / "version_0"), _scalars(run / "version_1")
+    assert "train/loss_epoch" in quiet and "val/acc" in quiet  # epoch scalars do not wait for a logging step
+    assert every_step["train/loss_step"] == [0, 1, 2] and every_step["comm/bytes_sent_per_device_max"] == [0, 1, 2]
+    assert named == set(every_step) - set(quiet), (sorted(named), sorted(set(every_step) - set(quiet)))
+    assert {"train/loss_step", "comm/buckets_reduced_in_backward", "grad_norm/replica_1"} <= named  # the control
 
 
 def test_epochs_shorter_than_the_interval_log_steps_across_epochs(fast_args, tmp_path, caplog):

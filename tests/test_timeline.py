@@ -142,6 +142,9 @@ def test_ddp_two_processes(tiny_data_dir, tmp_path):
         assert {"dp/forward", "dp/backward", "dp/loop"} <= {s.name for s in spans}
         # DDP's bucket allreduce runs on gloo's thread, recorded by torch without any label of ours
         assert any(s.name == "gloo:all_reduce" and s.tid != loop_thread for s in spans)
+        # and so does Lightning's per-step broadcast of SIGTERM, which docs/timeline.md explains
+        assert any(s.name == "gloo:broadcast" and s.tid != loop_thread for s in spans)
+    assert "`gloo:broadcast` on gloo's thread" in (ROOT / "docs" / "timeline.md").read_text()
     _check_breakdown(tmp_path / "tl", ranks=2)
     _check_phases_drawn(tmp_path / "tl", ranks=2)
 

@@ -3,9 +3,13 @@
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
+from src.layout import parallel_layout
 from src.run.lightning_compat import logging_step, should_update_logs
 from src.strategies.ddp_compression import CompressedDDPStrategy
 from src.strategies.split_allreduce import SplitAllreduceStrategy
+
+
+MEMORY_TAGS = ("memory/parameters_bytes", "memory/gradients_peak_bytes", "memory/optimizer_state_bytes")
 
 
 class StrategyMetrics(pl.Callback):
@@ -38,6 +42,20 @@ class StrategyMetrics(pl.Callback):
             return ""
         name, sent, uncompressed = found
         return f", {name} sends {sent:,} of {uncompressed:,} bytes per step"
+
+    def per_step_tags(self, trainer: "pl.Trainer") -> list[str]:
+        """The tags this callback writes at logging steps only, under the run's strategy and options (the short-run
+        notice names them, `src.run.log_steps.interval_note`)."""
+        strategy = trainer.strategy
+        both = ["comm/bytes_sent_per_device_max", "comm/bytes_uncompressed_per_device_max"]
+        if isinstance(strategy, CompressedDDPStrategy):
+            return both if strategy.compression != "none" else []
+        if not isinstance(strategy, SplitAllreduceStrategy) or not strategy.data_parallel:
+            return []
+        compressed = parallel_layout(strategy).compression != "none"
+        return [*both[:1 + compressed], *(["comm/buckets_reduced_in_backward"] if strategy.overlap else []),
+                *([f"grad_norm/replica_{k}" for k in range(strategy.replicas_per_process)]
+                  if strategy.log_grad_norms else []), *MEMORY_TAGS]
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._strategy = trainer.strategy
@@ -108,9 +126,8 @@ def _memory_metrics(strategy: SplitAllreduceStrategy) -> dict[str, float]:
     held = strategy.model_state_bytes()
     if not held:
         return {}
-    return {"memory/parameters_bytes": float(max(r["parameters"] for r in held)),
-            "memory/gradients_peak_bytes": float(max(r["gradients"] for r in held)),
-            "memory/optimizer_state_bytes": float(max(r["optimizer_state"] for r in held))}
+    return {tag: float(max(r[key] for r in held)) for tag, key in zip(MEMORY_TAGS, ("parameters", "gradients",
+                                                                                  "optimizer_state"))}
 
 
 def _memory_line(strategy: SplitAllreduceStrategy) -> str:

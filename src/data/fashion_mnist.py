@@ -9,6 +9,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torchvision.datasets import FashionMNIST
 
@@ -185,7 +186,13 @@ class FashionMNISTDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         if self._predicting_folder():
             return
-        ensure_raw_files(self.data_dir, debian_dir=DEBIAN_DIR, download=self.download)
+        source = ensure_raw_files(self.data_dir, debian_dir=DEBIAN_DIR, download=self.download)
+        if source != "present":  # once: the next run finds the files there
+            raw = Path(self.data_dir) / "FashionMNIST" / "raw"
+            origin = f"unpacked from Debian's dataset-fashion-mnist package ({DEBIAN_DIR})" if source == "debian" \
+                else "downloaded by torchvision"
+            size = sum((raw / name).stat().st_size for name in RAW_FILES) / 1e6
+            rank_zero_info(f"data: Fashion-MNIST {origin} into {raw}/ ({size:.0f} MB)")
 
     def setup(self, stage: str) -> None:
         if stage == "predict" and self.predict_dir is not None:

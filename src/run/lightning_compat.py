@@ -13,11 +13,15 @@ import torch
 
 
 def should_update_logs(trainer: "pl.Trainer") -> bool:
-    """Whether this training batch is one whose metrics reach the loggers (every `log_every_n_steps`).
+    """Whether this training batch is one of the run's logging steps: its count, this batch included, a multiple of
+    `log_every_n_steps`, the steps at which Lightning writes `train/loss_step`.
 
-    No public property says so; Lightning's own LearningRateMonitor reads the same one.
+    Lightning's own property (`_logger_connector.should_update_logs`) is also true once anything has set
+    `trainer.should_stop` (`ValidateAtMaxSteps` does at a run's last step), which would write the per-step scalars
+    of the last step only, and not `train/loss_step`.
     """
-    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+    every = trainer.log_every_n_steps
+    return bool(trainer.loggers) and every > 0 and (logging_step(trainer) + 1) % every == 0
 
 
 def logging_step(trainer: "pl.Trainer") -> int:

@@ -2,9 +2,10 @@
 
 Lightning writes a training step's scalars to the loggers only on its logging steps: the optimizer steps whose
 count, this one included, is a multiple of `trainer.log_every_n_steps` (50 by default), counted over the whole run
-and not restarted at each epoch (`_LoggerConnector.should_update_logs`). The per-step scalars, `train/loss_step`
-and the strategy's `comm/*` and `grad_norm/*`, appear there only. Epoch scalars (`train/loss_epoch`, `val/acc`,
-`time/epoch_s`, ...) and `lr-SGD/pg*` (LearningRateMonitor at each epoch's start) do not depend on it.
+and not restarted at each epoch (`src.run.lightning_compat.should_update_logs`). The per-step scalars,
+`train/loss_step` and the strategy's `comm/*`, `grad_norm/*` and `memory/*`, appear there only. Epoch scalars
+(`train/loss_epoch`, `val/acc`, `time/epoch_s`, ...) and `lr-SGD/pg*` (LearningRateMonitor at each epoch's start)
+do not depend on it.
 """
 
 import math
@@ -13,9 +14,18 @@ import lightning.pytorch as pl
 
 from src.run.lightning_compat import logging_step
 
-# the scalars written at logging steps only (comm/* and grad_norm/* by `StrategyMetrics`, under split_allreduce
-# and DDP with compression)
-PER_STEP_TAGS = "train/loss_step (and comm/*, grad_norm/* under the strategies that log them)"
+# what the model logs at logging steps only (`ImageClassifier.training_step`); callbacks add theirs (`per_step_tags`)
+MODEL_STEP_TAGS = ("train/loss_step",)
+
+
+def per_step_tags(trainer: "pl.Trainer") -> list[str]:
+    """Every tag this run writes at logging steps only: the model's and those of callbacks with `per_step_tags`
+    (`StrategyMetrics`: comm/*, grad_norm/*, memory/* under the strategies that measure them)."""
+    tags = [*MODEL_STEP_TAGS]
+    for callback in trainer.callbacks:
+        if hasattr(callback, "per_step_tags"):
+            tags += callback.per_step_tags(trainer)
+    return tags
 
 
 def planned_steps(trainer: "pl.Trainer") -> tuple[int | float, int]:
@@ -54,14 +64,14 @@ def interval_note(trainer: "pl.Trainer") -> str | None:
     if steps <= 0:
         return None  # nothing to train (e.g. max_steps 0), so nothing is left out
     done = logging_step(trainer)  # steps counted so far (a resumed run keeps counting)
+    tags = ", ".join(per_step_tags(trainer))
     first = (done // every + 1) * every  # the first logging step ahead
     if done + steps < first:
         return (f"logging: this run's {steps:,} training steps reach no logging step (one every {every} steps of the "
-                f"run, --trainer.log_every_n_steps), so TensorBoard gets none of the per-step scalars, "
-                f"{PER_STEP_TAGS}; set "
+                f"run, --trainer.log_every_n_steps), so TensorBoard gets none of the per-step scalars ({tags}); set "
                 f"--trainer.log_every_n_steps {max(int(steps), 1)} or lower to record them")
     if per_epoch < every:
         return (f"logging: an epoch has {per_epoch:,} training steps, fewer than the logging interval of {every} "
-                f"(--trainer.log_every_n_steps): {PER_STEP_TAGS} are written every {every} steps of the run, not in "
-                "every epoch")
+                f"(--trainer.log_every_n_steps): the per-step scalars ({tags}) are written every {every} steps of the "
+                "run, not in every epoch")
     return None
