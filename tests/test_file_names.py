@@ -50,3 +50,22 @@ def test_benchmarks_keep_few_scripts_each_listed_in_the_readme_with_what_it_meas
     listed = _scripts_list((ROOT / "benchmarks" / "README.md").read_text())
     assert sorted(listed) == scripts  # every script listed, and no script listed that is gone
     assert all(len(what.split()) >= 3 for what in listed.values()), listed
+
+
+def test_the_overlay_table_lists_every_overlay_with_the_epoch_lines_words():
+    """docs/switching-and-scaling.md's overlay table has one row per file of configs/strategy/, and the clause it
+    shows for partitioned state is the one the epoch line prints (`ParallelLayout.state_words`, 2 replicas)."""
+    import torch
+
+    from src.layout import ParallelLayout
+
+    text = (ROOT / "docs" / "switching-and-scaling.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+\.yaml)` \|.*\| `(.*)`.*\|$", text, re.M)
+    assert sorted(name for name, _ in rows) == sorted(p.name for p in (ROOT / "configs" / "strategy").glob("*.yaml"))
+    cpu = (torch.device("cpu"),)
+    said = {ParallelLayout("x", 2, 1, cpu, cpu, "ring", "gloo", **kw).state_words() for kw in (
+        {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 2, "sharding": "SHARD_GRAD_OP"},
+        {"zero_stage": 3, "sharding": "FULL_SHARD"})}
+    shown = {", " + line.split("(…), ", 1)[1] for _, line in rows
+             if re.search(r"\(…\), (zero_stage|SHARD_GRAD_OP|FULL_SHARD)", line)}
+    assert shown == said, (shown, said)

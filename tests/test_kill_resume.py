@@ -2,7 +2,6 @@
 machine's load changed in between: the resumed run keeps the intra-op thread count its run started with."""
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -48,7 +47,7 @@ def fit_choosing_threads(monkeypatch):
 @pytest.mark.skipif(CORES < 2, reason="with one core every choice is 1 thread")
 @pytest.mark.parametrize("strategy", list(OVERLAYS))
 def test_sigkill_mid_epoch_then_resume_on_another_load_equals_uninterrupted(tiny_data_dir, tmp_path, strategy,
-                                                                              fit_choosing_threads, caplog):
+                                                                              fit_choosing_threads, capsys):
     """The run starts while other programs keep all cores but one busy, so it chooses 1 thread, and is SIGKILLed;
     it resumes once they are done, where a fresh choice takes every core. float32. The resumed run keeps 1 thread
     and ends bitwise equal to an uninterrupted run; the control, resumed with every core, does not."""
@@ -68,9 +67,10 @@ def test_sigkill_mid_epoch_then_resume_on_another_load_equals_uninterrupted(tiny
         "epoch": 1, "batches_yielded": 18}  # a mid-epoch checkpoint: steps 51-60 are lost and will be replayed
     assert saved[threads.CHECKPOINT_KEY] == {"threads": 1, "processes_per_node": 1}
 
-    with caplog.at_level(logging.INFO):
-        resumed = fit_choosing_threads(args + ["--ckpt_path", "last"], busy=quiet)
-    assert "restart 1: resumed at step 50 on 1 process; 1 thread per process, as the run started" in caplog.text
+    capsys.readouterr()
+    resumed = fit_choosing_threads(args + ["--ckpt_path", "last"], busy=quiet)
+    assert "restart 1: resumed at step 50 on 1 process; 1 thread per process, as the run started" in \
+        capsys.readouterr().out
     assert torch.get_num_threads() == 1
     whole = fit_choosing_threads(_args(tiny_data_dir, tmp_path / "whole") + OVERLAYS[strategy], busy=busy)
     assert resumed.trainer.global_step == whole.trainer.global_step == 96
@@ -84,11 +84,10 @@ def test_sigkill_mid_epoch_then_resume_on_another_load_equals_uninterrupted(tiny
 
     # Control: the same checkpoint resumed with the count a fresh choice takes here ends elsewhere, so the
     # equality above is the kept count's doing, not a thread count that changes nothing on this data
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        control = fit_choosing_threads(args + ["--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
-                                              "--threads", str(CORES)], busy=quiet)
-    assert f"{CORES} threads per process from --threads; the run started with 1," in caplog.text
+    capsys.readouterr()
+    control = fit_choosing_threads(args + ["--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+                                          "--threads", str(CORES)], busy=quiet)
+    assert f"{CORES} threads per process from --threads; the run started with 1," in capsys.readouterr().out
     assert control.trainer.global_step == 96
     assert not all(torch.equal(a, b) for a, b in zip(control.model.state_dict().values(),
                                                      whole.model.state_dict().values()))

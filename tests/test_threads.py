@@ -1,7 +1,6 @@
 """Intra-op threads: the choice (config, OMP_NUM_THREADS, the count a resumed run started with, cores left free),
 what a checkpoint records of it, and what a run shows of it."""
 
-import logging
 import os
 
 import pytest
@@ -62,15 +61,14 @@ def restore_threads():
     os.environ["OMP_NUM_THREADS"] = env if env is not None else "1"
 
 
-def test_run_shows_the_auto_choice(fast_args, tmp_path, monkeypatch, caplog, restore_threads):
+def test_run_shows_the_auto_choice(fast_args, tmp_path, monkeypatch, capsys, restore_threads):
     """With no count given, a busy core leaves one thread of two; the epoch line and HPARAMS say so."""
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(threads, "busy_cores", lambda: 1.0)
-    with caplog.at_level(logging.INFO):
-        main(["fit", "--config", "configs/lenet.yaml", *fast_args])
+    main(["fit", "--config", "configs/lenet.yaml", *fast_args])
     assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
-    assert "images/s, single: 1 process x 1 replica on cpu (1 thread)" in caplog.text
+    assert "images/s, single: 1 process x 1 replica on cpu (1 thread)" in capsys.readouterr().out  # the epoch line
     run = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0"
     assert "run/threads" not in yaml.safe_load((run / "hparams.yaml").read_text())  # HPARAMS only, below
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -83,11 +81,10 @@ def test_run_shows_the_auto_choice(fast_args, tmp_path, monkeypatch, caplog, res
     assert info.hparams["run/threads"].number_value == 1
 
 
-def test_config_key_sets_the_count(fast_args, monkeypatch, caplog, restore_threads):
+def test_config_key_sets_the_count(fast_args, monkeypatch, capsys, restore_threads):
     monkeypatch.setattr(threads, "busy_cores", lambda: pytest.fail("measured although --threads was given"))
-    with caplog.at_level(logging.INFO):
-        main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--threads", "2"])
-    assert torch.get_num_threads() == 2 and "(2 threads)" in caplog.text
+    main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--threads", "2"])
+    assert torch.get_num_threads() == 2 and "(2 threads)" in capsys.readouterr().out
 
 
 def test_resume_reuses_the_saved_count_unless_told_otherwise(four_cores, monkeypatch):
@@ -147,7 +144,7 @@ def _hparams_threads(run) -> float:
     return plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams["run/threads"].number_value
 
 
-def test_resumed_fit_keeps_the_count_and_evaluation_chooses_afresh(fast_args, tmp_path, monkeypatch, caplog,
+def test_resumed_fit_keeps_the_count_and_evaluation_chooses_afresh(fast_args, tmp_path, monkeypatch, capsys,
                                                                      restore_threads):
     """Started beside a busy core (1 thread of 2), resumed on a quiet machine (a fresh choice: 2): the resumed fit
     keeps 1 and says so; a validate of its checkpoint, which trains nothing, takes the fresh count."""
@@ -162,9 +159,10 @@ def test_resumed_fit_keeps_the_count_and_evaluation_chooses_afresh(fast_args, tm
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
     monkeypatch.delenv("OMP_NUM_THREADS")  # the count the first run exported
     torch.set_num_threads(2)  # what this process held before: the HPARAMS row must still say 1
-    with caplog.at_level(logging.INFO):
-        main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
-    assert "restart 1: resumed at step 3 on 1 process; 1 thread per process, as the run started" in caplog.text
+    capsys.readouterr()
+    main(["fit", "--config", "configs/lenet.yaml", *fast_args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    assert "restart 1: resumed at step 3 on 1 process; 1 thread per process, as the run started" in \
+        capsys.readouterr().out
     assert torch.get_num_threads() == 1 and _hparams_threads(runs / "version_1") == 1
 
     monkeypatch.delenv("OMP_NUM_THREADS")

@@ -275,18 +275,16 @@ def test_bad_window_is_refused():
         StepTimeline(start_step=0, steps=1)
 
 
-def test_profile_overlay_through_the_cli(tiny_data_dir, tmp_path, caplog):
-    """The shipped overlay on a real CLI run: the files land in the run's folder and the line says where."""
-    import logging
-
+def test_profile_overlay_through_the_cli(tiny_data_dir, tmp_path, capsys):
+    """The shipped overlay on a real CLI run: the files land in the run's folder and the line says where, on
+    stdout."""
     from src.cli import main
     from tests.helpers.cli_args import data_args, trainer_args
 
-    with caplog.at_level(logging.INFO):
-        main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/profile.yaml",
-              *data_args(tiny_data_dir, batch_size=16), *trainer_args(tmp_path / "logs"), "--trainer.max_steps", "26"])
+    main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/profile.yaml",
+          *data_args(tiny_data_dir, batch_size=16), *trainer_args(tmp_path / "logs"), "--trainer.max_steps", "26"])
     folder = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "timeline"
-    assert f"step timeline of training steps 20-24: {folder}/timeline.png" in caplog.text
+    assert f"step timeline of training steps 20-24: {folder}/timeline.png" in capsys.readouterr().out
     assert {p.name for p in folder.iterdir()} == {"trace-rank0.json", "timeline.png", "breakdown.md", "breakdown.csv"}
     _check_phases_drawn(folder, ranks=1)
     _check_markdown_sums(folder, ranks=1)

@@ -124,8 +124,10 @@ def markdown_section(plan: MemoryPlan, devices: Sequence[int]) -> list[str]:
     lines = ["## Model-state memory per device", "",
              f"Predicted from the parameter count, not measured. {assumptions(plan)}. Formulas of ZeRO "
              "(Rajbhandari et al., SC 2020, arXiv:1910.02054, section 5): stage 0 is DDP's and this "
-             "project's strategy's, stages 1 to 3 those of DeepSpeed's `zero_optimization.stage`; stage 3 is "
-             "FSDP's FULL_SHARD. A partition holds ceil(Ψ / devices) elements. GiB = 2^30 bytes.", "",
+             "project's strategy's; stages 1 and 2 this project runs as `zero_stage: 1` and `2`, and stage 3 "
+             "as FSDP's FULL_SHARD (`configs/strategy/fsdp_cpu_full_shard.yaml`); DeepSpeed's "
+             "`zero_optimization.stage` numbers them alike. A partition holds ceil(Ψ / devices) elements. "
+             "GiB = 2^30 bytes.", "",
              "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
     lines += [f"| {d} | " + " | ".join(f"{g:.4g}" for g in stage_gib(plan, d)) + " |" for d in devices]
     lines += ["", _LEFT_OUT]
