@@ -17,7 +17,7 @@ import src.strategies.ddp_compression  # noqa: F401  registers `ddp_bf16`, `ddp_
 import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce` before any Trainer is built
 from src.callbacks import EpochReport, HParamsMetrics, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule
-from src.layout import parallel_layout
+from src.layout import SplitsByWeight, parallel_layout
 from src.models.classifier import ImageClassifier
 from src.run.checkpoints import check_checkpoint, keep_saved_folders, resolve_last_checkpoint
 from src.run.class_paths import register as register_class_paths
@@ -34,7 +34,7 @@ from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads, saved_threads
 from src.strategies.compression_state import KEY as COMPRESSION_KEY
 from src.strategies.compression_state import describe as describe_compression
-from src.strategies.split_allreduce import SplitAllreduceStrategy
+from src.strategies.replica_checkpoints import ReplicaCheckpoints
 
 
 class CLI(LightningCLI):
@@ -69,9 +69,9 @@ class CLI(LightningCLI):
 
     def _check(self) -> None:
         strategy = self.trainer.strategy
-        if isinstance(strategy, SplitAllreduceStrategy):  # before setup, where the strategy builds its shares
+        if isinstance(strategy, SplitsByWeight):  # before setup, where the strategy builds its shares
             strategy.split_weights = weights_after_restart(strategy.split_weights,
-                                                           strategy.world_size * strategy.replicas_per_process)
+                                                           parallel_layout(strategy).total_replicas)
         check_before_run(self.trainer, self.datamodule)
         for callback in (ProcessGroupCleanup, RestartReport, HParamsMetrics):  # missing from older config.yaml
             if not any(isinstance(c, callback) for c in self.trainer.callbacks):
@@ -139,7 +139,7 @@ class CLI(LightningCLI):
                                                           _experiment_dir(logger) or self._experiment)
             checkpoint = check_checkpoint(config["ckpt_path"], self.model)
             saved = (checkpoint or {}).get(COMPRESSION_KEY)
-            if self.subcommand == "fit" and saved and not isinstance(self.trainer.strategy, SplitAllreduceStrategy):
+            if self.subcommand == "fit" and saved and not isinstance(self.trainer.strategy, ReplicaCheckpoints):
                 rank_zero_info(f"gradient compression: the checkpoint's {describe_compression(saved)} state is not "
                                "used (this run's strategy does not read it)")
             if self.subcommand != "fit" and checkpoint is not None:

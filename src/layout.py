@@ -8,7 +8,7 @@ imports no strategy of ours (the strategies import it).
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypedDict, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -112,12 +112,45 @@ _SHARDED = {"ZeRO-1": "optimizer state", "SHARD_GRAD_OP": "gradients and optimiz
             "HYBRID_SHARD": "parameters, gradients and optimizer state, within each node"}
 
 
+class HeldBytes(TypedDict):
+    """What one replica (or FSDP process) holds, in bytes, counted from its tensors: `model_state_bytes()` of the
+    strategies that count it gives one per replica of the process."""
+
+    parameters: int  # its parameters (under FSDP its shards)
+    gradients: int  # its gradients at their peak in the last step
+    gradients_at_update: int  # its gradients when its update ran
+    optimizer_state: int  # its optimizer state now
+    exchange_buffers: int  # the receive buffers the process keeps between steps (replica 0's row only)
+
+
+def held_bytes(parameters: int, gradients: int, optimizer_state: int, gradients_at_update: int | None = None,
+               exchange_buffers: int = 0) -> HeldBytes:
+    """One `HeldBytes` record; `gradients_at_update` defaults to `gradients`."""
+    return HeldBytes(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state,
+                     gradients_at_update=gradients if gradients_at_update is None else gradients_at_update,
+                     exchange_buffers=exchange_buffers)
+
+
+def default_backend(device: torch.device) -> str:
+    """The torch.distributed backend a strategy uses when none is given: "nccl" for a CUDA device, else "gloo"."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 @runtime_checkable
 class DescribesLayout(Protocol):
     """A strategy that says its own layout (`SplitAllreduceStrategy`, `CPUFSDPStrategy`): the seam through which
     the rest of the tool reads a strategy's state."""
 
     def parallel_layout(self) -> ParallelLayout: ...
+
+
+@runtime_checkable
+class SplitsByWeight(Protocol):
+    """A strategy whose replicas take shares of every global batch by `split_weights` (a list per replica, "auto" or
+    None for equal shares), read at setup: the CLI re-fits a list to the replicas of a restart (`SplitAllreduceStrategy`
+    is one)."""
+
+    split_weights: list[float] | str | None
 
 
 def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
@@ -131,7 +164,7 @@ def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:
         return strategy.parallel_layout()
     if isinstance(strategy, DDPStrategy):
         p = strategy.world_size
-        backend = strategy.process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")
+        backend = strategy.process_group_backend or default_backend(strategy.root_device)
         return ParallelLayout("ddp", p, 1, (strategy.root_device,),
                               tuple(strategy.parallel_devices or [strategy.root_device]), "torch" if p > 1 else "none",
                               backend if p > 1 else None)

@@ -243,7 +243,7 @@ def test_the_epoch_line_names_our_compression_and_its_bytes():
 
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from src.callbacks.strategy_metrics import _compression_bytes
+    from src.strategies.measures import compression_bytes as _compression_bytes
     from src.strategies import SplitAllreduceStrategy
 
     ours = SplitAllreduceStrategy(devices=["cpu", "cpu"])

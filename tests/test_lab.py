@@ -178,6 +178,7 @@ server = socket.create_server((sys.argv[1], 5001))
 print("ready", flush=True)
 conn, _ = server.accept()
 tic, received = time.monotonic(), 0
+conn.sendall(b"g")  # the client sends once this arrives: no byte can pass before the clock starts
 while chunk := conn.recv(1 << 16):
     received += len(chunk)
 print(received, time.monotonic() - tic, flush=True)
@@ -185,13 +186,15 @@ print(received, time.monotonic() - tic, flush=True)
 CLIENT = """
 import socket, sys
 conn = socket.create_connection((sys.argv[1], 5001), timeout=30)
+assert conn.recv(1) == b"g"  # the receiver's clock runs (a receiver slow to accept would otherwise miss bytes)
 conn.sendall(bytes(int(sys.argv[2])))
 conn.close()
 """
 
 
 def _transfer(lab: Lab, sender: int, receiver: int, size: int) -> float:
-    """Seconds the receiver takes to receive `size` bytes over TCP from the sender (accept to end of stream)."""
+    """Seconds the receiver takes to receive `size` bytes over TCP from the sender (from accept, after which the
+    sender starts, to the end of the stream)."""
     address = lab.machines[receiver].address
     server = subprocess.Popen([*lab.exec_prefix(receiver), sys.executable, "-c", SERVER, address],
                               stdout=subprocess.PIPE, text=True)

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from src.layout import ParallelLayout
+from src.layout import ParallelLayout, default_backend
 from src.strategies.comm.exchange_names import COMPRESSIONS, check_min_compression_rate, compression_tag
 
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
@@ -161,7 +161,7 @@ class CompressedDDPStrategy(DDPStrategy):
         """DDP's layout (`src.layout.parallel_layout`) with its compression ("bf16", "powersgd-r<rank>"), so that
         run names (`ddp-2x1-cpu-bf16`) and the HPARAMS table (`run/compression`) tell the compressions apart."""
         p = self.world_size
-        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        backend = self.process_group_backend or default_backend(self.root_device)
         return ParallelLayout("ddp", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "torch" if p > 1 else "none", backend if p > 1 else None,
                               compression=compression_tag(self.compression, self.powersgd_rank))

@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from src.layout import ParallelLayout
+from src.layout import HeldBytes, ParallelLayout, default_backend, held_bytes
 from src.strategies.comm.allreduce import nbytes
 
 # torch's sharding strategy -> the ZeRO stage it matches, for the run's layout, name and HPARAMS column
@@ -114,12 +114,12 @@ class CPUFSDPStrategy(FSDPStrategy):
     def parallel_layout(self) -> ParallelLayout:
         """P processes x 1 replica, torch's collectives between them, and the ZeRO stage its sharding matches."""
         p = self.world_size
-        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        backend = self._process_group_backend or default_backend(self.root_device)
         return ParallelLayout("fsdp", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "torch" if p > 1 else "none", backend if p > 1 else None,
                               zero_stage=ZERO_STAGE[self.sharding_strategy.name], sharding=self.sharding_strategy.name)
 
-    def model_state_bytes(self) -> list[dict[str, Any]]:
+    def model_state_bytes(self) -> list[HeldBytes]:
         """This process's bytes of parameters (its shards), gradients and optimizer state now, counted from the
         tensors it holds, as `SplitAllreduceStrategy.model_state_bytes` counts a replica's; empty before training."""
         if self.model is None or not self.optimizers:
@@ -127,5 +127,4 @@ class CPUFSDPStrategy(FSDPStrategy):
         params = list(self.model.parameters())
         state = sum(nbytes(t) for s in self.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t))
         grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
-        return [{"parameters": sum(nbytes(p) for p in params), "gradients": grads, "gradients_at_update": grads,
-                 "optimizer_state": state}]
+        return [held_bytes(sum(nbytes(p) for p in params), grads, state)]

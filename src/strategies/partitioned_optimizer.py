@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import Optimizer
 
+from src.layout import HeldBytes
 from src.run.lightning_compat import current_hook
 from src.strategies.comm.gradient_exchange import bucket_indices
 from src.strategies.comm.process_allreduce import ProcessPartition
@@ -119,7 +120,7 @@ class PartitionedOptimizer(Optimizer):
         """Clip by the global norm of the job's reduced gradient (`Partitions.clip_grad_norm_`)."""
         return self.partitions.clip_grad_norm_(max_norm)
 
-    def held_bytes(self) -> list[dict[str, int]]:
+    def held_bytes(self) -> list[HeldBytes]:
         """Per replica of this process, what it holds (`Partitions.held_bytes`)."""
         return self.partitions.held_bytes()
 

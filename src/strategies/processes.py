@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from src.layout import default_backend
 from src.run.cleanup import register as register_process_group_cleanup
 from src.run.lightning_compat import init_process_group, process_launcher, reduce_across_processes
 
@@ -80,7 +81,7 @@ class ProcessesParallelStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str:
         """The torch.distributed backend: as given, else nccl on a GPU and gloo on the CPU."""
-        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        return self._process_group_backend or default_backend(self.root_device)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size (Lightning calls this)."""

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
+from src.layout import HeldBytes, held_bytes
 from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
 from src.strategies.lockstep import lockstep_apply
 from src.strategies.scatter_gather import ShardedCall, parallel_apply
@@ -319,14 +320,14 @@ class ReplicaSet:
             for p in replica.parameters():
                 p.grad = None
 
-    def held_bytes(self, optimizer: Optimizer, gradient_bytes: list[int]) -> list[dict[str, int]]:
+    def held_bytes(self, optimizer: Optimizer, gradient_bytes: list[int]) -> list[HeldBytes]:
         """Per replica, what each holds whole (no partitions): its parameters' bytes, `gradient_bytes` (its gradients
         after the last backward, `GradientExchange.gradient_bytes`) at the peak and when its update ran, and its
         optimizer state: replica 0's is `optimizer`'s, the others hold none (they copy replica 0's parameters)."""
         state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t))
-        return [{"parameters": sum(p.numel() * p.element_size() for p in replica.parameters()),
-                 "gradients": grads, "gradients_at_update": grads, "optimizer_state": state if k == 0 else 0}
+        return [held_bytes(sum(p.numel() * p.element_size() for p in replica.parameters()), grads,
+                           state if k == 0 else 0)
                 for k, (replica, grads) in enumerate(zip(self.modules, gradient_bytes or [0] * len(self.modules)))]
 
     def check_in_sync(self, step: int) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import Tensor
 from typing_extensions import override
 
-from src.layout import ParallelLayout
+from src.layout import HeldBytes, ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
@@ -181,7 +181,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         sent = self.exchange.bytes_sent if self.exchange is not None else []
         return [a + b for a, b in zip(sent, self._update_bytes)] if self._update_bytes else list(sent)
 
-    def model_state_bytes(self) -> list[dict[str, int]]:
+    def model_state_bytes(self) -> list[HeldBytes]:
         """Per replica of this process: bytes of its "parameters", its "gradients" at their peak in the last step and
         "gradients_at_update", its "optimizer_state" now (with `zero_stage`, its partition's), counted from its
         tensors; replica 0's row adds the process's kept receive buffers ("exchange_buffers"). Empty before training."""

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 
+from src.layout import HeldBytes, held_bytes
 from src.strategies.comm.allreduce import all_gather_, nbytes, owned_chunk, reduce_scatter_
 from src.strategies.comm.gradient_exchange import in_memory_order
 from src.strategies.comm.process_allreduce import ProcessPartition
@@ -432,14 +433,13 @@ class Partitions:
         """The source optimizer's own state in `assemble`'s format (e.g. loaded from a checkpoint)."""
         return {self._index[id(p)]: dict(s) for p, s in self.source.state.items() if id(p) in self._index}
 
-    def held_bytes(self) -> list[dict[str, int]]:
+    def held_bytes(self) -> list[HeldBytes]:
         """Per replica: bytes of its parameters, of the gradients it held (its parameters' `.grad` and its reduced
         chunks) at their peak in the last step and when its update ran, and of its optimizer state now."""
         out = []
         for r in range(self.k):
             state = sum(nbytes(t) for b in range(len(self.buckets)) for v in self._views[b][r]
                         for t in self.optimizer.state.get(v, {}).values() if torch.is_tensor(t))
-            out.append({"parameters": sum(nbytes(p) for p in self.params[r]),
-                        "gradients": self.peak_gradient_bytes[r], "gradients_at_update": self._at_update[r],
-                        "optimizer_state": state})
+            out.append(held_bytes(sum(nbytes(p) for p in self.params[r]), self.peak_gradient_bytes[r], state,
+                                  self._at_update[r]))
         return out
