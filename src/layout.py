@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from src.sharding import replicas_text
+from src.batch_shares import replicas_text
 
 @dataclass(frozen=True)
 class ParallelLayout:

@@ -10,7 +10,7 @@ import torch
 
 from src.data.fashion_mnist import MEAN, RAW_FILES, STD, DataUnavailableError, FashionMNISTDataModule, ensure_raw_files
 from src.data.loader import GlobalBatchSampler
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from tests.helpers.idx import write_fashion_mnist
 
 

@@ -8,7 +8,7 @@ Marked `gpu`: skipped without CUDA (tests/conftest.py), run by `bash scripts/gpu
 import pytest
 
 from src.models.classifier import ResNet18Classifier
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import assert_replicas_bitwise_equal, max_param_diff, param_distance, seeded_model
 from tests.helpers.shards import ShardSizes

@@ -88,7 +88,7 @@ def test_lower_layers_do_not_import_the_strategies_or_the_callbacks():
     graph = _graph()
     low = {m: deps for m, deps in graph.items()
            if m.startswith(("src.run.", "src.data.", "src.models.", "src.timeline.")) or m in ("src.layout",
-                                                                                             "src.sharding")}
+                                                                                             "src.batch_shares")}
     upward = {m: sorted(d for d in deps if d.startswith(("src.strategies", "src.callbacks", "src.cli")))
               for m, deps in low.items()}
     assert {m: d for m, d in upward.items() if d} == {}

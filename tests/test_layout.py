@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from src.cli import run
 from src.run.logger import run_hparams
-from src.sharding import ReplicaShares
+from src.batch_shares import ReplicaShares
 from src.strategies.comm.exchange_names import EXCHANGES, exchange_name
 from src.layout import parallel_layout
 from src.strategies.split_allreduce import SplitAllreduceStrategy

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from src.strategies.comm.process_allreduce import process_allreduce, ring_allreduce_, torch_allreduce_
 from tests.helpers.ports import free_port
 from tests.helpers.runs import START_METHOD

@@ -8,7 +8,7 @@ import torch
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import START_METHOD, ddp, fit, max_param_diff, stop_then_resume, strategy_replicas
 from tests.helpers.shards import ShardSizes, saved_shard_sizes

@@ -6,7 +6,7 @@ import torch
 
 from src.callbacks import StrategyMetrics
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from src.strategies import SplitAllreduceStrategy
 from tests.helpers.runs import (StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff, param_distance,
                                 seeded_model)

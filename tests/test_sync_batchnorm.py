@@ -11,7 +11,7 @@ from torch import nn
 
 from src.cli import run
 from src.models.classifier import ImageClassifier, ResNet18Classifier
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from src.strategies import SplitAllreduceStrategy
 from src.strategies.lockstep import Rendezvous
 from src.strategies.sync_batchnorm import ReplicaSyncBatchNorm

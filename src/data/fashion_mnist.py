@@ -16,7 +16,7 @@ from torchvision.datasets import FashionMNIST
 from src.data.images import ImageFolderLoader, scan_folder
 from src.data.integrity import check_idx_file, check_writable
 from src.data.loader import GlobalBatchSampler, TensorBatchLoader
-from src.sharding import check_global_batch
+from src.batch_shares import check_global_batch
 from src.layout import parallel_layout
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")

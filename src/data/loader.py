@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 
 
 class GlobalBatchSampler:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from src.run.checkpoints import newest_complete_checkpoint
 from src.run.launcher import elastic_launch, restart_count, run_id
 from src.run.logger import RunLogger
-from src.sharding import check_global_batch
+from src.batch_shares import check_global_batch
 
 
 def apply_launcher_layout(trainer: Any, environ: Mapping[str, str] = os.environ) -> None:

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.run.lightning_compat import sync_batchnorm_requested
 from src.run.elastic import check_ddp_batch_after_restart
-from src.sharding import check_enough_samples, check_split_weights
+from src.batch_shares import check_enough_samples, check_split_weights
 from src.layout import ParallelLayout, parallel_layout
 
 

@@ -7,7 +7,7 @@ module, but only when `inspect_network` is called.
 import importlib
 from dataclasses import dataclass
 
-from src.strategies.comm.exchange_names import powersgd_numbers
+from src.strategies.comm.powersgd_sizes import powersgd_numbers
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and split_allreduce's default bucket_cap_mb, in bytes
 

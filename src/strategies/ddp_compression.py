@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from src.layout import ParallelLayout, default_backend
-from src.strategies.comm.exchange_names import COMPRESSIONS, check_min_compression_rate, compression_tag
+from src.strategies.comm.exchange_names import COMPRESSIONS, compression_tag
+from src.strategies.comm.powersgd_sizes import check_min_compression_rate
 
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")

@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.sharding import check_split_weights, replicas_text
+from src.batch_shares import check_split_weights, replicas_text
 from src.strategies.comm.exchange_names import BETWEEN_PROCESSES, IN_PROCESS, check_choice
 from src.strategies.replicas import check_buffer_mode
 

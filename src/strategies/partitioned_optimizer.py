@@ -1,5 +1,5 @@
 """The one optimizer Lightning holds under `zero_stage` 1 and 2: the user's optimizer with its state partitioned
-over the replicas (`src.strategies.zero.Partitions`), as torch's `ZeroRedundancyOptimizer` is one optimizer over
+over the replicas (`src.strategies.partitions.Partitions`), as torch's `ZeroRedundancyOptimizer` is one optimizer over
 shards. Its `param_groups` are the user's own list, so an lr set through a hook's `optimizer` argument, a scheduler
 or `trainer.optimizers[0]` is the one the partitions step with; `state_dict()` is one device's, whole; hooks receive
 it. And the precision plugin that clips stage 2's partitions when Lightning clips (`over_partitions`).
@@ -15,7 +15,7 @@ from src.layout import HeldBytes
 from src.run.lightning_compat import current_hook
 from src.strategies.comm.gradient_exchange import bucket_indices
 from src.strategies.comm.process_allreduce import ProcessPartition
-from src.strategies.zero import Partitions
+from src.strategies.partitions import Partitions
 
 
 class PartitionedOptimizer(Optimizer):

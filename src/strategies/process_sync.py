@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from src.run.lightning_compat import logging_step
-from src.sharding import check_enough_samples
+from src.batch_shares import check_enough_samples
 from src.strategies.comm.gradient_exchange import copy_back_, flatten
 from src.strategies.replicas import Replica0Watch, ReplicaDesyncError, sync_buffers_
 from src.timeline.labels import phase

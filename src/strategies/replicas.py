@@ -34,7 +34,7 @@ from src.strategies.sync_batchnorm import convert_, revert_
 from src.timeline.labels import phase
 
 BUFFER_SYNC_MODES = ("broadcast", "mean")
-Layout = tuple[tuple[int, ...], ...]  # per param group, the indices of its parameters in `module.parameters()`
+GroupIndices = tuple[tuple[int, ...], ...]  # per param group, the indices of its parameters in `module.parameters()`
 
 
 class ReplicaDesyncError(RuntimeError):
@@ -174,7 +174,7 @@ class Replica0Watch:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.trainable: tuple[bool, ...] | None = None  # the requires_grad flags the replicas were given last
         self.optimizer: Optimizer | None = None  # the optimizer recorded last
-        self.layout: Layout | None = None
+        self.layout: GroupIndices | None = None
         self._state: Any = None  # its `state` dict then: `load_state_dict` replaces it with a new one
 
     def check_parameters(self) -> None:
@@ -202,7 +202,7 @@ class Replica0Watch:
         self.trainable = flags
         return True
 
-    def layout_of(self, optimizer: Optimizer) -> Layout:
+    def layout_of(self, optimizer: Optimizer) -> GroupIndices:
         """`optimizer`'s param groups as indices into replica 0's parameters.
 
         Raises:

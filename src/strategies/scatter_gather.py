@@ -63,7 +63,7 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
 
     Args:
         batch: Any collection of tensors of equal length N, e.g. (x (N, 28, 28) uint8, y (N,) int64).
-        sizes: Shard sizes summing to N (see `src.sharding.shard_sizes`).
+        sizes: Shard sizes summing to N (see `src.batch_shares.shard_sizes`).
 
     Returns:
         One batch of the same structure per shard; shard k holds samples [sum(sizes[:k]), sum(sizes[:k+1])).

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from src.layout import HeldBytes, ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
-from src.sharding import ReplicaShares, check_enough_samples, shard_sizes
+from src.batch_shares import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.replica_checkpoints import ReplicaCheckpoints
 from src.strategies.comm.compression import Compression, CompressionSpec

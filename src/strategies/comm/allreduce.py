@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from src.sharding import shard_sizes
+from src.batch_shares import shard_sizes
 from src.strategies.comm.exchange_names import IN_PROCESS, check_choice
 
 def check_algorithm(name: str) -> None:

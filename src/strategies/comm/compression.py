@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from src.strategies.comm.hierarchical import BetweenProcesses
-from src.strategies.comm.exchange_names import (COMPRESSIONS, check_choice, check_min_compression_rate, compressed_rank,
-                                            compression_tag, matrix_shape)
+from src.strategies.comm.exchange_names import COMPRESSIONS, check_choice, compression_tag
+from src.strategies.comm.powersgd_sizes import check_min_compression_rate, compressed_rank, matrix_shape
 from src.timeline.labels import phase, recording
 
 

@@ -5,9 +5,6 @@ each level; `exchange_name` turns them and the layout (P processes x K replicas)
 job's exchange, the word HPARAMS shows as `run/allreduce` and the predictor takes in `--algorithms`.
 """
 
-import math
-from collections.abc import Sequence
-
 # split_allreduce's `allreduce`: among one process's K replicas
 IN_PROCESS = ("ring", "reduce_broadcast")
 # split_allreduce's `process_allreduce`: between the P processes
@@ -34,51 +31,6 @@ EXCHANGES = {
 def compression_tag(compression: str, rank: int) -> str:
     """How run names and HPARAMS' `run/compression` name a compression: "none", "bf16", "powersgd-r<rank>"."""
     return f"powersgd-r{rank}" if compression == "powersgd" else compression
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
-    """(n, m) = (shape[0], prod(shape[1:])) for a tensor of 2 or more dimensions; None for the others."""
-    if len(shape) < 2:
-        return None
-    return shape[0], math.prod(shape[1:])
-
-
-def compressed_rank(shape: Sequence[int], rank: int, min_compression_rate: float) -> int:
-    """The rank PowerSGD uses for a gradient of `shape`, or 0 if it is sent as it is.
-
-    A matrix (n, m) is compressed at rank r' = min(r, n, m) when n·m > min_compression_rate · r'·(n + m), the
-    rule of torch's `powerSGD_hook` (`_should_compress`).
-    """
-    nm = matrix_shape(shape)
-    if nm is None:
-        return 0
-    n, m = nm
-    r = min(rank, n, m)
-    return r if n * m > min_compression_rate * r * (n + m) else 0
-
-
-def powersgd_numbers(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float) -> int:
-    """Numbers PowerSGD sends per step for gradients of `shapes`: (n + m)·r' per compressed matrix (P and Q),
-    every element of the others."""
-    total = 0
-    for shape in shapes:
-        r = compressed_rank(shape, rank, min_compression_rate)
-        nm = matrix_shape(shape)
-        total += (nm[0] + nm[1]) * r if r else math.prod(shape)
-    return total
-
-
-def check_min_compression_rate(value: object) -> None:
-    """PowerSGD's `min_compression_rate`, one rule for ours and the DDP overlay: any number > 0, as torch's
-    `powerSGD_hook` takes. A matrix is compressed when that shrinks it by more than this factor
-    (`compressed_rank`), so below 1 even matrices that the factors make larger are compressed.
-
-    Raises:
-        ValueError: For anything else, naming the value.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"min_compression_rate={value!r}: must be a number > 0 (a matrix is compressed only if "
-                         "that shrinks it by this factor; e.g. 2.0)")
 
 
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:

@@ -169,7 +169,7 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         bucket_ids: The numbers of `buckets` in the step timeline (default 0, 1, ...).
         compression: How buckets travel between processes (see `allreduce_bucket_`); None: exactly.
         bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and returns
-            the bytes each device sent (ZeRO's reduce-scatter, `src.strategies.zero.Partitions`). Every parameter
+            the bytes each device sent (ZeRO's reduce-scatter, `src.strategies.partitions.Partitions`). Every parameter
             that requires a gradient then takes part, and one without a `.grad` is left for it to read as zeros.
 
     Returns:
@@ -224,7 +224,7 @@ class GradientExchange:
             error memory) from exchange to exchange.
         bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and
             returns the bytes each device sent: ZeRO stage 2's reduce-scatter
-            (`src.strategies.zero.Partitions.reduce_scatter_bucket_`). None: the allreduce.
+            (`src.strategies.partitions.Partitions.reduce_scatter_bucket_`). None: the allreduce.
 
     Raises:
         ValueError: An unknown algorithm.
