@@ -22,17 +22,18 @@ class StepFiles(pl.Callback):
     """
 
     seen: set[str] = set()
+    order: list[str] = []  # the same files in the order the window first called into each
 
     def __init__(self, first: int = 3, last: int = 5) -> None:
         self.first, self.last = first, last
-        self._files: set[str] = set()
+        self._files: dict[str, None] = {}  # insertion-ordered: the order of first calls
 
     def _profile(self, frame, event, arg) -> None:
         if event == "call":
-            self._files.add(frame.f_code.co_filename)
+            self._files.setdefault(frame.f_code.co_filename)
 
     def _start(self) -> None:
-        self._files = set()
+        self._files = {}
         threading.setprofile(self._profile)  # threads started inside the window (overlap, lockstep) too
         sys.setprofile(self._profile)
 
@@ -42,7 +43,8 @@ class StepFiles(pl.Callback):
         elif batch_idx == self.last - 1:
             sys.setprofile(None)
             threading.setprofile(None)
-            StepFiles.seen = strategy_side(self._files)
+            StepFiles.seen = strategy_side(set(self._files))
+            StepFiles.order = [f for f in (next(iter(strategy_side({name})), None) for name in self._files) if f]
 
 
 def strategy_side(files: set[str]) -> set[str]:
