@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from src.layout import ParallelLayout, default_backend
 from src.strategies.comm.exchange_names import COMPRESSIONS, compression_tag
-from src.strategies.comm.powersgd_sizes import check_min_compression_rate
+from src.strategies.comm.powersgd_sizes import powersgd_problems
 
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -41,22 +41,12 @@ def check_compression_options(compression: str, powersgd_rank: int, powersgd_war
     problems = []
     if compression not in COMPRESSIONS:
         problems.append(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
-    if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank < 1:
-        problems.append(f"powersgd_rank={powersgd_rank!r}: the rank of PowerSGD's low-rank factors must be an "
-                        "integer >= 1 (e.g. 2)")
-    if isinstance(powersgd_warmup_steps, bool) or not isinstance(powersgd_warmup_steps, int):
-        problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps!r}: must be an integer number of steps")
-    elif (error_feedback or warm_start) and powersgd_warmup_steps < 2:
+    problems += powersgd_problems(powersgd_rank, powersgd_warmup_steps, min_compression_rate)
+    if not problems and (error_feedback or warm_start) and powersgd_warmup_steps < 2:  # DDP's own rule
         problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps}: torch's PowerSGD needs at least 2 "
                         "uncompressed steps while error_feedback or warm_start is on (DDP rebuilds its gradient "
                         "buckets after the first step); set powersgd_warmup_steps >= 2, or error_feedback: false "
                         "and warm_start: false")
-    elif powersgd_warmup_steps < 0:
-        problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps}: must be >= 0")
-    try:
-        check_min_compression_rate(min_compression_rate)
-    except ValueError as err:
-        problems.append(str(err))
     given = [name for name in _HOOK_ARGS if ddp_kwargs.get(name) is not None]
     if given:
         problems.append(f"{', '.join(given)}: this strategy registers its hook from `compression`; use "

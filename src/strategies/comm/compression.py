@@ -40,7 +40,7 @@ from torch import Tensor
 
 from src.strategies.comm.hierarchical import BetweenProcesses
 from src.strategies.comm.exchange_names import COMPRESSIONS, check_choice, compression_tag
-from src.strategies.comm.powersgd_sizes import check_min_compression_rate, compressed_rank, matrix_shape
+from src.strategies.comm.powersgd_sizes import compressed_rank, matrix_shape, powersgd_problems
 from src.timeline.labels import phase, recording
 
 
@@ -247,16 +247,6 @@ class PowerSGDCompression(_Compression):
 Compression = Bf16Compression | PowerSGDCompression
 
 
-def check_powersgd(rank: int, warmup_steps: int, min_compression_rate: float) -> None:
-    """Raises ValueError for a rank below 1, negative warm-up steps or a minimum compression rate that is not > 0
-    (`exchange_names.check_min_compression_rate`: the rule of the DDP overlay too)."""
-    if rank < 1:
-        raise ValueError(f"powersgd_rank must be at least 1, got {rank}")
-    if warmup_steps < 0:
-        raise ValueError(f"powersgd_warmup_steps must be 0 or more, got {warmup_steps}")
-    check_min_compression_rate(min_compression_rate)
-
-
 @dataclass(frozen=True)
 class CompressionSpec:
     """The `compression` options of split_allreduce, checked once when the strategy is built; `make` builds the
@@ -281,7 +271,9 @@ class CompressionSpec:
     def __post_init__(self) -> None:
         check_choice("compression", self.name, COMPRESSIONS)
         if self.name == "powersgd":
-            check_powersgd(self.rank, self.warmup_steps, self.min_compression_rate)
+            problems = powersgd_problems(self.rank, self.warmup_steps, self.min_compression_rate)
+            if problems:
+                raise ValueError("; ".join(problems))
 
     @property
     def tag(self) -> str:

@@ -1,6 +1,6 @@
 """PowerSGD's sizes, in pure Python (no torch), so that the cost model counts what the exchange sends by the same
 rule the compression runs: which gradients are compressed and at what rank (torch's `powerSGD_hook` rule), the
-numbers sent per step, and the check of `min_compression_rate` that ours and the DDP overlay share.
+numbers sent per step, and the checks of PowerSGD's settings that ours and the DDP overlay share.
 """
 
 import math
@@ -50,3 +50,25 @@ def check_min_compression_rate(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"min_compression_rate={value!r}: must be a number > 0 (a matrix is compressed only if "
                          "that shrinks it by this factor; e.g. 2.0)")
+
+
+def powersgd_problems(rank: object, warmup_steps: object, min_compression_rate: object) -> list[str]:
+    """What is wrong with PowerSGD's settings, one message each (empty when nothing is): the rule ours and the DDP
+    overlay share, each setting checked here once.
+
+    Args:
+        rank: `powersgd_rank`, an integer >= 1.
+        warmup_steps: `powersgd_warmup_steps`, an integer >= 0.
+        min_compression_rate: A number > 0 (`check_min_compression_rate`).
+    """
+    problems = []
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        problems.append(f"powersgd_rank must be an integer of at least 1 (the rank of PowerSGD's low-rank factors, "
+                        f"e.g. 2), got {rank!r}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        problems.append(f"powersgd_warmup_steps must be an integer number of steps, 0 or more, got {warmup_steps!r}")
+    try:
+        check_min_compression_rate(min_compression_rate)
+    except ValueError as err:
+        problems.append(str(err))
+    return problems
