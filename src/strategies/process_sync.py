@@ -211,46 +211,56 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
 
 
 
-def global_batch_size(trainer: Any, n: int, rank: int, total_replicas: int, device: torch.device,
-                      sync_batchnorm: bool, agreement_due: bool,
-                      agreement: Callable[[], int]) -> tuple[Callable[[], int], bool]:
-    """N of this step's global batch, from this process's `n`: a function that returns it (waiting for the other
-    processes' counts, in a `dp/wait/global batch size` span, when they are needed).
+class GlobalBatchCount:
+    """N, the samples of each step's global batch, for a job of several processes, from each process's own count;
+    it also says when the processes compare their optimizers.
 
     The training loader's sampler says N without a message, when it can (`global_batch_claim`). Otherwise, and on
-    the first step of a fit (`agreement_due`) and at every logging step in any case, the processes add up their
-    counts with a small allreduce that runs while the replicas do; it also compares their optimizers
-    (`agreement()`, an `agreement_code`) and, where the sampler said N, checks that number. So ours makes no
-    collective per step beyond DDP's except one of 32 bytes on the first step and at the logging steps (every
-    `log_every_n_steps`).
+    the first step of a fit and at every logging step in any case, the processes add up their counts with a small
+    allreduce that runs while the replicas do; it also compares their optimizers (an `agreement_code`) and, where
+    the sampler said N, checks that number. So ours makes no collective per step beyond DDP's except one of 32
+    bytes on the first step and at the logging steps (every `log_every_n_steps`).
 
-    Returns:
-        (the function that returns N, whether the agreement is still due).
-
-    Raises:
-        RuntimeError: From the function, when the processes counted another N than the sampler recorded.
+    Args:
+        rank: This process's global rank.
+        total_replicas: P x K, the replicas of the job.
+        device: Where the count's allreduce runs (local replica 0's device).
     """
-    claim = global_batch_claim(trainer.train_dataloader)
-    known = claim() if claim is not None else None
-    at_logging_step = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on every rank
-    if known is not None and not (at_logging_step or agreement_due):
-        said = known_global_batch(n, *known, rank, total_replicas, sync_batchnorm)
-        return (lambda: said), agreement_due
-    counting = count_global_batch(n, device, total_replicas, sync_batchnorm, agreement=agreement())
 
-    def count() -> int:
-        with phase("wait/global batch size"):
-            return counting()
-    if known is None:
-        return count, False
+    def __init__(self, rank: int, total_replicas: int, device: torch.device) -> None:
+        self.rank, self.total_replicas, self.device = rank, total_replicas, device
+        self._agreement_due = True  # the first step of a fit compares the optimizers
 
-    def counted_and_known() -> int:
-        counted = count()
-        if counted != known[0]:
-            raise RuntimeError(f"split_allreduce: the processes counted a global batch of {counted} samples, but the "
-                               f"training loader's sampler recorded {known[0]}: the ranks' loaders differ")
-        return known_global_batch(n, *known, rank, total_replicas, sync_batchnorm)
-    return counted_and_known, False
+    def of(self, trainer: Any, n: int, sync_batchnorm: bool, agreement: Callable[[], int]) -> Callable[[], int]:
+        """A function that returns N for this step, given this process's `n` samples (waiting for the other
+        processes' counts, in a `dp/wait/global batch size` span, when they are needed); `agreement()` is this
+        process's `agreement_code`, read only when the processes compare.
+
+        Raises:
+            RuntimeError: From the function, when the processes counted another N than the sampler recorded.
+        """
+        claim = global_batch_claim(trainer.train_dataloader)
+        known = claim() if claim is not None else None
+        at_logging_step = (logging_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0  # alike on all ranks
+        if known is not None and not (at_logging_step or self._agreement_due):
+            said = known_global_batch(n, *known, self.rank, self.total_replicas, sync_batchnorm)
+            return lambda: said
+        self._agreement_due = False
+        counting = count_global_batch(n, self.device, self.total_replicas, sync_batchnorm, agreement=agreement())
+
+        def count() -> int:
+            with phase("wait/global batch size"):
+                return counting()
+        if known is None:
+            return count
+
+        def counted_and_known() -> int:
+            counted = count()
+            if counted != known[0]:
+                raise RuntimeError(f"split_allreduce: the processes counted a global batch of {counted} samples, but "
+                                   f"the training loader's sampler recorded {known[0]}: the ranks' loaders differ")
+            return known_global_batch(n, *known, self.rank, self.total_replicas, sync_batchnorm)
+        return counted_and_known
 
 
 def sync_every_buffer_(replicas: list[nn.Module], mode: str, multi_process: bool) -> None:

@@ -32,7 +32,7 @@ from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
 from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, gather_rates,
-                                         global_batch_size, sync_every_buffer_)
+                                         GlobalBatchCount, sync_every_buffer_)
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
@@ -135,7 +135,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         self.zero_stage = zero_stage
         self._update_bytes: list[int] = []  # with zero_stage: bytes each device sent in the last all-gather
         self._followed = False  # optimizer_step followed replica 0 already, for the training_step in its closure
-        self._agreement_due = True  # the processes compare their optimizers at the next step (then at logging steps)
+        self._batch_count: GlobalBatchCount | None = None  # N of each global batch, with several processes
 
     # ---- where the replicas live, and what a user or a callback may read of them ---------------------------
     @property
@@ -252,7 +252,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
-        self._agreement_due = True
+        self._batch_count = GlobalBatchCount(self.global_rank, self.total_replicas, self.root_device)
 
     def _partitioned(self) -> PartitionedOptimizer | None:
         """The optimizer Lightning holds, if it is the partitioned one (`zero_stage`, from train start to teardown)."""
@@ -347,10 +347,8 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         n = batch_size_of(args[0])
         total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
         if self.multi_process:
-            total, self._agreement_due = global_batch_size(
-                self.lightning_module.trainer, n, self.global_rank, self.total_replicas, self.root_device,
-                self.replica_set.sync_group is not None, self._agreement_due,
-                lambda: agreement_code(self.replica_set.watch, self.optimizers[0]))
+            total = self._batch_count.of(self.lightning_module.trainer, n, self.replica_set.sync_group is not None,
+                                         lambda: agreement_code(self.replica_set.watch, self.optimizers[0]))
         call = self._scatter("training_step", args, kwargs, n)  # scatter
         with self.precision_plugin.train_step_context():
             results = self._run_replicas(call)  # run the replicas
