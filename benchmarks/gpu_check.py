@@ -27,7 +27,7 @@ from benchmarks.strategy_step import data_dir
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.strategies import SplitAllreduceStrategy
-from src.strategies.replicas import first_difference
+from src.strategies.replica_sync import first_difference
 
 warnings.filterwarnings("ignore")
 LENET_RECIPE = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "lenet.yaml").read_text())[

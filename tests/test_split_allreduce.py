@@ -108,7 +108,7 @@ def test_resnet_batchnorm_buffers_stay_equal(tiny_data_dir, mode):
 
 
 def test_buffer_mean_averages_the_replicas():
-    from src.strategies.replicas import sync_buffers_
+    from src.strategies.replica_sync import sync_buffers_
 
     a, b = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
     a.running_mean.fill_(1.0), b.running_mean.fill_(3.0)
@@ -193,7 +193,7 @@ class _Corrupt(pl.Callback):
 
 
 def test_desync_check_names_the_parameter(tiny_data_dir):
-    from src.strategies.replicas import ReplicaDesyncError
+    from src.strategies.replica_sync import ReplicaDesyncError
 
     with pytest.raises(ReplicaDesyncError, match=r"replica 1 on cpu differs from replica 0 at 'net.classifier.3.bias'"):
         fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU]), steps=6, callbacks=[_Corrupt(check=True)])

@@ -7,7 +7,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from src.batch_shares import check_split_weights, replicas_text
 from src.strategies.comm.exchange_names import BETWEEN_PROCESSES, IN_PROCESS, check_choice
-from src.strategies.replicas import check_buffer_mode
+from src.strategies.replica_sync import check_buffer_mode
 
 
 def check_options(allreduce: str, process_allreduce: str, sync_buffers: str, bucket_cap_mb: float,

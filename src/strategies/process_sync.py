@@ -1,14 +1,10 @@
-"""What keeps the replicas of several processes in step besides the gradient allreduce: the global batch's
-sample count, buffers, sync checks and auto-split rates.
+"""What keeps the processes of a job in step besides the gradient allreduce and the buffers (`replica_sync`): the
+global batch's sample count, the processes' agreement on their optimizers, and auto-split rates.
 
 The global batch's size N costs no message when the training loader's sampler can say it
 (`src.data.loader.GlobalBatchSampler.claim_global_batch`): every rank derives it from the same seed and shares.
 Other loaders, and the first step of a fit and every logging step with any loader, add up the processes'
 counts (`count_global_batch`), an allreduce that also compares their optimizers.
-
-Each acts on local replica 0 of every process (the other local replicas are kept equal to it in-process) and
-packs a module's tensors into one flat buffer per dtype, so a step costs one collective per dtype instead of
-one per tensor.
 """
 
 import zlib
@@ -17,12 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 
 from src.run.lightning_compat import logging_step
 from src.batch_shares import check_enough_samples
-from src.strategies.comm.gradient_exchange import copy_back_, flatten
-from src.strategies.replicas import Replica0Watch, ReplicaDesyncError, sync_buffers_
+from src.strategies.replicas import Replica0Watch
 from src.timeline.labels import phase
 
 
@@ -57,63 +51,6 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return type(value).__name__
-
-
-def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
-    groups: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return groups
-
-
-@torch.no_grad()
-def sync_buffers_between_processes_(module: nn.Module, mode: str) -> None:
-    """Make `module`'s buffers (BatchNorm running statistics) equal on every process.
-
-    Args:
-        module: This process's replica 0, its buffers already synchronised among the local replicas.
-        mode: "broadcast": rank 0's buffers everywhere (DDP's `broadcast_buffers`); "mean": floating-point
-            buffers averaged over the processes (each process's replica 0 already holds the mean of its K
-            replicas, so this is the mean over all replicas), integer ones (`num_batches_tracked`) from rank 0.
-    """
-    world = dist.get_world_size()
-    for dtype, tensors in _by_dtype(list(module.buffers())).items():
-        flat = flatten(tensors)
-        if mode == "mean" and dtype.is_floating_point:
-            dist.all_reduce(flat)
-            flat.div_(world)
-        else:
-            dist.broadcast(flat, src=0)
-        copy_back_(flat, tensors)
-
-
-@torch.no_grad()
-def check_in_sync_between_processes(module: nn.Module, step: int) -> None:
-    """Check that this process's replica 0 is bitwise equal to rank 0's (parameters and buffers).
-
-    Rank 0 broadcasts its tensors, one flat buffer per dtype; every process compares.
-
-    Raises:
-        ReplicaDesyncError: On the process that differs, naming its rank, the first tensor that differs, the max
-            abs difference and the optimizer step.
-    """
-    named = [*module.named_parameters(), *module.named_buffers()]
-    for dtype, tensors in _by_dtype([t for _, t in named]).items():
-        mine = flatten([t.detach() for t in tensors])
-        reference = mine.clone()
-        dist.broadcast(reference, src=0)
-        if torch.equal(mine, reference):
-            continue
-        offset = 0
-        for name, t in named:
-            if t.dtype != dtype:
-                continue
-            theirs = reference[offset:offset + t.numel()]
-            if not torch.equal(t.detach().reshape(-1), theirs):
-                delta = (t.detach().reshape(-1).double() - theirs.double()).abs().max().item()
-                raise ReplicaDesyncError(f"rank {dist.get_rank()}'s replica 0 differs from rank 0's at '{name}' (max "
-                                         f"abs difference {delta:.3e}) after optimizer step {step}")
-            offset += t.numel()
 
 
 def gather_rates(local_rates: list[float], rank: int, world: int, device: torch.device) -> list[float]:
@@ -261,13 +198,3 @@ class GlobalBatchCount:
                                    f"the training loader's sampler recorded {known[0]}: the ranks' loaders differ")
             return known_global_batch(n, *known, self.rank, self.total_replicas, sync_batchnorm)
         return counted_and_known
-
-
-def sync_every_buffer_(replicas: list[nn.Module], mode: str, multi_process: bool) -> None:
-    """Make BatchNorm running statistics equal (`mode`: "broadcast" or "mean"): among this process's replicas, then
-    between the processes' replica 0s, and back to the other local replicas."""
-    with phase("sync buffers"):
-        sync_buffers_(replicas, mode)
-        if multi_process:
-            sync_buffers_between_processes_(replicas[0], mode)
-            sync_buffers_(replicas, "broadcast")

@@ -33,12 +33,7 @@ from src.strategies.scatter_gather import ShardedCall, parallel_apply
 from src.strategies.sync_batchnorm import convert_, revert_
 from src.timeline.labels import phase
 
-BUFFER_SYNC_MODES = ("broadcast", "mean")
 GroupIndices = tuple[tuple[int, ...], ...]  # per param group, the indices of its parameters in `module.parameters()`
-
-
-class ReplicaDesyncError(RuntimeError):
-    """Raised when a replica's parameters or buffers are no longer bitwise equal to replica 0's."""
 
 
 def clone_replica(replica0: nn.Module, device: torch.device) -> nn.Module:
@@ -109,54 +104,6 @@ def copy_tensors_(targets: list[Tensor], sources: list[Tensor]) -> None:
     else:
         for t, s in zip(targets, sources):
             t.copy_(s)
-
-
-def check_buffer_mode(mode: str) -> None:
-    """Raises ValueError unless `mode` is one of BUFFER_SYNC_MODES."""
-    if mode not in BUFFER_SYNC_MODES:
-        raise ValueError(f"unknown sync_buffers mode {mode!r}; choose broadcast or mean")
-
-
-@torch.no_grad()
-def sync_buffers_(replicas: list[nn.Module], mode: str) -> None:
-    """Make every replica's buffers (BatchNorm running statistics) equal.
-
-    Args:
-        replicas: Replica 0 first.
-        mode: "broadcast": copy replica 0's buffers to the others (DDP's `broadcast_buffers` default);
-            "mean": average floating-point buffers over replicas and copy the result everywhere (integer
-            buffers such as `num_batches_tracked` are copied from replica 0).
-
-    Raises:
-        ValueError: For an unknown mode.
-    """
-    check_buffer_mode(mode)
-    per_replica = [list(r.buffers()) for r in replicas]
-    if mode == "mean":
-        for bufs in zip(*per_replica):
-            root = bufs[0]
-            if root.is_floating_point():
-                total = root.clone()
-                for b in bufs[1:]:
-                    total.add_(b.to(root.device))
-                root.copy_(total.div_(len(bufs)))
-    for bufs in per_replica[1:]:
-        copy_tensors_(bufs, per_replica[0])
-
-
-@torch.no_grad()
-def first_difference(replica0: nn.Module, replica: nn.Module) -> tuple[str, float] | None:
-    """The first parameter or buffer (by name) that is not bitwise equal, with its max abs difference."""
-    reference = dict(replica0.named_buffers())
-    reference.update(replica0.named_parameters())
-    compared = dict(replica.named_buffers())
-    compared.update(replica.named_parameters())
-    for name, t in reference.items():
-        other = compared[name].to(t.device)
-        if not torch.equal(t, other):
-            diff = (t.double() - other.double()).abs().max().item() if t.is_floating_point() else float("nan")
-            return name, diff
-    return None
 
 
 class Replica0Watch:
@@ -329,20 +276,6 @@ class ReplicaSet:
         return [held_bytes(sum(p.numel() * p.element_size() for p in replica.parameters()), grads,
                            state if k == 0 else 0)
                 for k, (replica, grads) in enumerate(zip(self.modules, gradient_bytes or [0] * len(self.modules)))]
-
-    def check_in_sync(self, step: int) -> None:
-        """Check every replica is bitwise equal to replica 0.
-
-        Raises:
-            ReplicaDesyncError: Naming the replica, its device, the first parameter or buffer that differs, its
-                max abs difference and the optimizer step `step`.
-        """
-        for k, replica in enumerate(self.modules[1:], start=1):
-            diff = first_difference(self.modules[0], replica)
-            if diff is not None:
-                name, delta = diff
-                raise ReplicaDesyncError(f"replica {k} on {self.devices[k]} differs from replica 0 at '{name}' (max "
-                                         f"abs difference {delta:.3e}) after optimizer step {step}")
 
     def tensor(self, k: int, name: str) -> Tensor:
         """Replica k's copy of a named parameter or buffer (e.g. "net.features.0.bias"), on its device.

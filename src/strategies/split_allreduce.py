@@ -31,8 +31,8 @@ from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
-from src.strategies.process_sync import (agreement_code, check_in_sync_between_processes, gather_rates,
-                                         GlobalBatchCount, sync_every_buffer_)
+from src.strategies.process_sync import GlobalBatchCount, agreement_code, gather_rates
+from src.strategies.replica_sync import check_in_sync_between_processes, check_replicas_in_sync, sync_every_buffer_
 from src.strategies.processes import ProcessesParallelStrategy
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
@@ -220,7 +220,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     def check_replicas_in_sync(self) -> None:
         """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
         (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
-        self.replica_set.check_in_sync(self.optimizer_steps)
+        check_replicas_in_sync(self.replica_set.modules, self.replica_set.devices, self.optimizer_steps)
         if self.multi_process:
             check_in_sync_between_processes(self.replicas[0], self.optimizer_steps)
 
