@@ -56,9 +56,9 @@ class StrategyMetrics(pl.Callback):
         # the strategy's own counters are read at logging steps only (`src.strategies.measures`); between them
         # two plain attributes say whether there is something to print once
         metrics = step_scalars(strategy) if should_update_logs(trainer) else {}
-        if getattr(strategy, "zero_stage", 0) and not self._memory_printed and held(strategy):
+        if getattr(strategy, "zero_stage", 0) and not self._memory_printed and (rows := held(strategy)):
             self._memory_printed = True
-            rank_zero_info(_memory_line(parallel_layout(strategy), held(strategy)))
+            rank_zero_info(_memory_line(parallel_layout(strategy), rows))
         if getattr(strategy, "split_fixed_at_step", None) is not None and not self._split_logged:
             self._split_logged = True
             weights, rates = fixed_split(strategy)
