@@ -27,7 +27,7 @@ OVERLAYS = {"ours": "split_allreduce_processes", "ours bf16": "split_allreduce_b
 
 def trial(layout: str, seed: int, out: Path) -> float:
     """The test accuracy of one 10-epoch run."""
-    rank = ["--trainer.strategy.init_args.powersgd_rank", layout[-1]] if "powersgd" in layout else []
+    rank = ["--trainer.strategy.init_args.compression.rank", layout[-1]] if "powersgd" in layout else []
     cmd = [sys.executable, "-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
            f"configs/strategy/{OVERLAYS[layout]}.yaml", *rank, "--seed_everything", str(seed),
            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(out)]

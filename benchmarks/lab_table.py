@@ -189,11 +189,10 @@ def layout_args(name: str) -> list[str]:
 
 def compression_args(name: str) -> list[str]:
     """CLI overrides for the compression `name` ("bf16" or "powersgd r<rank>"), the same for ours and DDP's."""
-    option = "--trainer.strategy.init_args."
+    option = "--trainer.strategy.init_args.compression."
     if name == "bf16":
-        return [option + "compression", "bf16"]
-    return [option + "compression", "powersgd", option + "powersgd_rank", name.split("r")[-1],
-            option + "powersgd_warmup_steps", WARMUP]
+        return [option + "kind", "bf16"]
+    return [option + "kind", "powersgd", option + "rank", name.split("r")[-1], option + "warmup_steps", WARMUP]
 
 
 def compression_of(name: str) -> tuple[str, int]:

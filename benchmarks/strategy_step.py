@@ -33,7 +33,7 @@ import torch
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import ProcessStart, SplitAllreduceStrategy
 from src.strategies.comm.allreduce import nbytes
 
 warnings.filterwarnings("ignore")
@@ -116,7 +116,7 @@ def zero_stages(args: argparse.Namespace, root: str) -> None:
         for r in range(args.rounds):
             for stage in medians:
                 strategy = SplitAllreduceStrategy(devices=["cpu"] * args.k, zero_stage=stage, overlap=stage == 2,
-                                                  start_method="fork", process_group_backend="gloo")
+                                                  processes=ProcessStart("gloo", start_method="fork"))
                 model = ResNet18Classifier(optimizer=optimizer, lr=0.01 if optimizer == "sgd" else 1e-3)
                 seconds, trainer = run(strategy, args.steps, args.batch, root, model, args.processes)
                 medians[stage].append(statistics.median(seconds[2:]))

@@ -41,7 +41,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.data.synthetic import write_fashion_mnist
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.scaling.memory import bytes_per_element, model_state_bytes
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import ProcessStart, SplitAllreduceStrategy
 from src.strategies.comm.allreduce import nbytes
 
 warnings.filterwarnings("ignore")
@@ -123,8 +123,8 @@ def measure(args: argparse.Namespace, root: str, stage: int, overlap: bool) -> d
     report = Path(tempfile.mkdtemp(prefix="zero-memory-"))
     probe = MemoryProbe(report, save_at=args.steps - 1)
     strategy = SplitAllreduceStrategy(devices=["cpu"] * args.k, zero_stage=stage, overlap=overlap,
-                                      bucket_cap_mb=args.bucket_cap_mb, start_method="fork",
-                                      process_group_backend="gloo")
+                                      bucket_cap_mb=args.bucket_cap_mb,
+                                      processes=ProcessStart("gloo", start_method="fork"))
     model = (ResNet18Classifier if args.model == "resnet18" else LeNetClassifier)(lr=0.01, momentum=0.9)
     trainer = pl.Trainer(accelerator="cpu", devices=args.processes, strategy=strategy, max_steps=args.steps,
                          limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 
 from src.run.cleanup import is_registered
+from src.strategies import ProcessStart
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers.runs import ddp, fit
 
@@ -35,7 +36,7 @@ def test_importing_the_package_registers_nothing():
 @pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("maker, cleanup_callback", [
     (lambda: ddp(), True),  # Lightning's spawn workers: the callback registers it (the CLI adds it to every run)
-    (lambda: SplitAllreduceStrategy(start_method="spawn", process_group_backend="gloo"), False),  # ours: itself
+    (lambda: SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method="spawn")), False),  # ours: itself
 ], ids=["ddp_spawn", "ours_spawn"])
 def test_spawned_workers_register_the_cleanup_and_exit_0(tiny_data_dir, tmp_path, maker, cleanup_callback):
     # fit() returns only if every spawned worker exited with status 0 (Lightning's launcher raises otherwise)

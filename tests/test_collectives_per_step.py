@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
 
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import ProcessStart, SplitAllreduceStrategy
 from tests.helpers.runs import START_METHOD, ddp, fit
 from tests.test_user_lightning_project import UserModel, ours as user_ours
 
@@ -73,8 +73,8 @@ def _collectives(steps: list[dict]) -> list[int]:
 def counted(tiny_data_dir, tmp_path_factory) -> dict[str, list[list[dict]]]:
     """The counts of a 2-process LeNet run of STEPS steps, under DDP and under ours (its default ring exchange)."""
     runs = {}
-    for name, strategy in (("ddp", ddp()), ("ours", SplitAllreduceStrategy(start_method=START_METHOD,
-                                                                           process_group_backend="gloo"))):
+    ours = SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method=START_METHOD))
+    for name, strategy in (("ddp", ddp()), ("ours", ours)):
         folder = tmp_path_factory.mktemp(name)
         fit(tiny_data_dir, strategy, devices=2, steps=STEPS, batch_size=24, callbacks=[CollectiveCounter(folder)])
         runs[name] = _counted(folder)

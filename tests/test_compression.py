@@ -151,10 +151,10 @@ def test_ring_bytes_count_what_each_process_sends():
     assert sum(ring_bytes(1000, 4, 3, r) for r in range(3)) == 4 * 1000 * 4
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(rank=0), "powersgd_rank must be an integer of at least 1"),
-                                             (dict(warmup_steps=-1), "powersgd_warmup_steps must be an integer"),
+@pytest.mark.parametrize("kwargs, message", [(dict(rank=0), "compression.rank must be an integer of at least 1"),
+                                             (dict(warmup_steps=-1), "compression.warmup_steps must be an integer"),
                                              (dict(min_compression_rate=0.0),
-                                              r"min_compression_rate=0.0: must be a number > 0")])
+                                              r"compression.min_compression_rate=0.0: must be a number > 0")])
 def test_bad_powersgd_settings_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CompressionSpec("powersgd", **kwargs)
@@ -166,11 +166,11 @@ def test_min_compression_rate_below_one_is_taken_as_torch_and_the_ddp_overlay_ta
     spec = CompressionSpec("powersgd", rank=2, min_compression_rate=0.5)
     assert isinstance(spec.make(2, _wire_bytes), PowerSGDCompression)
     assert compressed_rank((4, 4), 2, 0.5) == 2 and compressed_rank((4, 4), 2, 1.0) == 0
-    CompressedDDPStrategy(compression="powersgd", min_compression_rate=0.5)  # accepted there too
+    CompressedDDPStrategy(compression=spec)  # accepted there too: the same group
 
 
 def test_unknown_compression_is_refused():
-    with pytest.raises(ValueError, match="unknown compression 'fp8'; choose one of none, bf16, powersgd"):
+    with pytest.raises(ValueError, match="unknown compression.kind 'fp8'; choose one of none, bf16, powersgd"):
         CompressionSpec("fp8")
     assert CompressionSpec("none").make(2, _wire_bytes) is None
     assert CompressionSpec("powersgd", rank=4).tag == "powersgd-r4"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from src.models.classifier import LeNetClassifier
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import CompressionSpec, ProcessStart, SplitAllreduceStrategy
 from src.strategies.comm.compression import compressed_rank
 from src.strategies.compression_state import KEY
 from tests.helpers.cli_args import RESUMABLE_CALLBACKS, RESUMABLE_FLOAT64, data_args, trainer_args
@@ -51,7 +51,7 @@ class Snapshots(pl.Callback):
 
 
 def _ours(**kwargs) -> SplitAllreduceStrategy:
-    return SplitAllreduceStrategy(start_method=START_METHOD, process_group_backend="gloo", **kwargs)
+    return SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method=START_METHOD), **kwargs)
 
 
 def _single_at(data_dir, steps):
@@ -78,7 +78,7 @@ def _diff(state: dict, model: torch.nn.Module) -> float:
 def test_powersgd_is_exact_in_warm_up_then_keeps_every_replica_identical_and_sends_less(tiny_data_dir, tmp_path):
     """2 processes x 2 replicas, rank 2: the first 4 steps are exchanged exactly (as one device, float64), the
     next 6 compressed; every replica of both processes ends bitwise equal, away from one device's weights."""
-    fit(tiny_data_dir, _ours(devices=["cpu", "cpu"], compression="powersgd", powersgd_warmup_steps=WARMUP),
+    fit(tiny_data_dir, _ours(devices=["cpu", "cpu"], compression=CompressionSpec("powersgd", warmup_steps=WARMUP)),
         steps=STEPS, devices=2, callbacks=[Snapshots(str(tmp_path), WARMUP)])
     ranks = _load(tmp_path)
     assert _diff(ranks[0]["early"][0], _single_at(tiny_data_dir, WARMUP)) <= 1e-9
@@ -91,8 +91,8 @@ def test_powersgd_is_exact_in_warm_up_then_keeps_every_replica_identical_and_sen
 
 def test_bf16_sends_a_quarter_of_float64_and_keeps_both_processes_identical(tiny_data_dir, tmp_path):
     """With overlap and small buckets: every bucket goes compressed on the exchange thread while backward runs."""
-    model, _, _ = fit(tiny_data_dir, _ours(compression="bf16", overlap=True, bucket_cap_mb=0.05), steps=5, devices=2,
-                      callbacks=[Snapshots(str(tmp_path), 0)])
+    strategy = _ours(compression=CompressionSpec("bf16"), overlap=True, bucket_cap_mb=0.05)
+    model, _, _ = fit(tiny_data_dir, strategy, steps=5, devices=2, callbacks=[Snapshots(str(tmp_path), 0)])
     ranks = _load(tmp_path)
     _assert_all_equal([r["final"] for r in ranks])
     single = _single_at(tiny_data_dir, 5)
@@ -114,8 +114,8 @@ def _torchrun_job(tmp: Path, data_dir: Path, kill: bool) -> tuple[int, str, Path
     overlay.write_text(RESUMABLE_CALLBACKS)
     cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
            "configs/strategy/split_allreduce_processes.yaml", "--config", str(overlay),
-           "--trainer.strategy.init_args.compression", "powersgd",
-           "--trainer.strategy.init_args.powersgd_warmup_steps", "2", *RESUMABLE_FLOAT64,
+           "--trainer.strategy.init_args.compression.kind", "powersgd",
+           "--trainer.strategy.init_args.compression.warmup_steps", "2", *RESUMABLE_FLOAT64,
            *data_args(data_dir, batch_size=50), *trainer_args(tmp / "logs", eval_batches=1), "--ckpt_path", "auto"]
     if kill:  # rank 1's worker dies after step 6: both restart from step 4's checkpoint
         cli += ["--trainer.callbacks+", '{"class_path": "tests.helpers.killers.KillNodeAtStep", '

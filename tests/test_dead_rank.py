@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli_args import data_args, trainer_args
+from tests.helpers.cli_args import data_args, process_option, trainer_args
 
 pytestmark = pytest.mark.slow  # starts processes of its own
 
@@ -59,7 +59,7 @@ def test_hung_rank_is_given_up_after_the_configured_timeout(tiny_data_dir, tmp_p
     hang = {"class_path": "tests.helpers.killers.HangAtStep", "init_args": {"step": 10, "rank": 1}}
     # the timeout also bounds rank 1's start (imports, config) before it joins. 25 s were too short on a 16-core
     # machine running the suite on 12 workers beside the GPU tests: rank 1 printed its start after rank 0 had quit.
-    rc, out, seconds = _run_with(overlay, hang, tiny_data_dir, tmp_path, "--trainer.strategy.init_args.timeout",
+    rc, out, seconds = _run_with(overlay, hang, tiny_data_dir, tmp_path, process_option(overlay, "timeout"),
                                  f"0:00:{TIMEOUT}")
     assert rc == 2, out[-3000:]
     assert "error: training lost rank 1" in out and "stopped answering" in out, out[-3000:]

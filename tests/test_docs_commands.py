@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.strategies import FSDPStrategy
 
+from tests.helpers.cli_args import process_option
 from tests.helpers.doc_commands import FENCE, ROOT, Command, ForkServer, expand_loop, extract
 from tests.helpers.idx import write_fashion_mnist
 from tests.helpers.ports import free_port
@@ -125,10 +126,11 @@ def _linked_folder(work: Path) -> Path:
 
 def _several_processes(args: list[str]) -> bool:
     """Whether a command's strategy overlay starts several processes (`trainer.devices` > 1 in a strategy config of
-    DDP or ours). Such runs start their other processes by fork (`start_method`, which both strategies take) rather
-    than by running the command line again: a new interpreter imports torch and Lightning for several seconds,
-    and this is a test of what the docs say, not of how processes start (the command line run again:
-    tests/test_hidden_messages.py and tests/test_dead_rank.py; torchrun: tests/test_launchers.py)."""
+    DDP or ours). Such runs start their other processes by fork (`start_method`, which both strategies take, ours
+    in its `processes` group) rather than by running the command line again: a new interpreter imports torch and
+    Lightning for several seconds, and this is a test of what the docs say, not of how processes start (the
+    command line run again: tests/test_hidden_messages.py and tests/test_dead_rank.py; torchrun:
+    tests/test_launchers.py)."""
     import yaml
 
     overlays = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config" and "configs/strategy/" in args[i + 1]]
@@ -177,7 +179,7 @@ class Runner:
         if "--print_config" in args:  # it prints what was parsed before it and stops
             return args
         if _several_processes(args):  # forked from this process, which has imported the libraries already
-            short += ["--trainer.strategy.init_args.start_method", "fork"]
+            short += [process_option(args, "start_method"), "fork"]
         return args + short
 
     def python_m(self, module: str, args: list[str], work: Path, timeout: float = 240) -> dict:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from src.callbacks import StepTimeline
 from src.cli import main, run
 from src.models.classifier import LeNetClassifier, ResNet18Classifier
-from src.strategies import CompressedDDPStrategy, SplitAllreduceStrategy
+from src.strategies import CompressedDDPStrategy, CompressionSpec, SplitAllreduceStrategy
 from src.timeline.breakdown import CATEGORIES, load_spans, process_breakdown
 from tests.helpers import cli_args
 from tests.helpers.runs import StopAfterEpoch, assert_replicas_bitwise_equal, fit, max_param_diff
@@ -118,7 +118,8 @@ class HookRecord(pl.Callback):
 @pytest.mark.parametrize("compression", ["bf16", "powersgd"])
 def test_ddp_compression_hooks_on_the_gpu(tiny_data_dir, compression, own_environment):
     record = HookRecord()
-    strategy = CompressedDDPStrategy(compression=compression, powersgd_warmup_steps=2, process_group_backend="nccl")
+    strategy = CompressedDDPStrategy(compression=CompressionSpec(compression, warmup_steps=2),
+                                     process_group_backend="nccl")
     _gpu_fit(tiny_data_dir, strategy, steps=4, batch_size=32, precision="32-true", callbacks=[record])
     gradient_bytes = 4 * sum(p.numel() for p in LeNetClassifier().parameters())  # float32 gradients
     assert [r[0] for r in record.rows] == ["nccl"] * 4

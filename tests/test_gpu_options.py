@@ -9,7 +9,7 @@ import pytest
 
 from src.models.classifier import ResNet18Classifier
 from src.batch_shares import shard_sizes
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import CompressionSpec, ProcessStart, SplitAllreduceStrategy
 from tests.helpers.runs import assert_replicas_bitwise_equal, max_param_diff, param_distance, seeded_model
 from tests.helpers.shards import ShardSizes
 from tests.test_compression_processes import BF16_FRACTION, N, Snapshots, _assert_all_equal, _load
@@ -66,7 +66,8 @@ def test_a_nonfinite_loss_on_the_gpu_stops_naming_its_step(tiny_data_dir, strate
 def test_bf16_compression_of_ours_between_two_gpu_processes(tiny_data_dir, tmp_path):
     """Two processes, one GPU each, over NCCL, ours compressing its exchange to bf16: both ranks end bitwise
     equal, each sends a quarter of the float64 gradient, and the weights stay near one GPU's."""
-    strategy = SplitAllreduceStrategy(start_method="spawn", process_group_backend="nccl", compression="bf16")
+    strategy = SplitAllreduceStrategy(processes=ProcessStart("nccl", start_method="spawn"),
+                                      compression=CompressionSpec("bf16"))
     model, _, _ = _gpu_fit(tiny_data_dir, strategy, steps=5, devices=2, callbacks=[Snapshots(str(tmp_path), 0)])
     ranks = _load(tmp_path)
     _assert_all_equal([r["final"] for r in ranks])

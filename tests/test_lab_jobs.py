@@ -158,7 +158,7 @@ def test_a_machine_cut_off_at_a_step_leaves_the_others_to_go_on_as_one_device_an
     code, out = _lab([*PARTITION, "--out", str(tmp_path / "run")],
                      ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
                       "configs/strategy/split_allreduce_processes.yaml", "--trainer.devices", "1",
-                      "--trainer.strategy.init_args.timeout", "0:00:20", *_fit_args(tmp_path, tiny_data_dir),
+                      "--trainer.strategy.init_args.processes.timeout", "0:00:20", *_fit_args(tmp_path, tiny_data_dir),
                       "--ckpt_path", "auto"])
     print(f"lab job with a partition: {time.monotonic() - tic:.1f} s")
     machine0 = (tmp_path / "run" / "machine0.txt").read_text()

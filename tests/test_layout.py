@@ -13,8 +13,11 @@ from src.run.logger import run_hparams
 from src.batch_shares import ReplicaShares
 from src.strategies.comm.exchange_names import EXCHANGES, exchange_name
 from src.layout import parallel_layout
+from src.strategies import ProcessStart
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers import cli_args
+
+SPAWN = ProcessStart(start_method="spawn")  # no process is started: the trainers are only built
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -37,7 +40,7 @@ def test_layout_of_every_strategy_this_tool_runs():
     assert (ours.strategy, ours.processes, ours.replicas_per_process, ours.allreduce) == \
         ("split_allreduce", 1, 2, "ring")
     assert ours.replica_devices == (CPU, CPU) and ours.rank_shares == [2.0] and ours.splits_any_batch
-    two_by_two = parallel_layout(_trainer(SplitAllreduceStrategy(start_method="spawn", replicas_per_process=2),
+    two_by_two = parallel_layout(_trainer(SplitAllreduceStrategy(processes=SPAWN, replicas_per_process=2),
                                           devices=2).strategy)
     assert (two_by_two.processes, two_by_two.total_replicas, two_by_two.allreduce) == (2, 4, "hierarchical")
     assert two_by_two.describe() == "replicas (2 processes x 2; rank 0's replicas first)"
@@ -56,7 +59,7 @@ def test_the_epoch_lines_state_words_name_the_zero_stage_and_fsdps_sharding():
             ("single", "auto", 1), ("ddp", DDPStrategy(start_method="spawn"), 2),
             ("zero0", SplitAllreduceStrategy(devices=["cpu", "cpu"]), 1),
             ("zero1", SplitAllreduceStrategy(devices=["cpu", "cpu"], zero_stage=1), 1),
-            ("zero2 2x2", SplitAllreduceStrategy(start_method="spawn", replicas_per_process=2, zero_stage=2), 2),
+            ("zero2 2x2", SplitAllreduceStrategy(processes=SPAWN, replicas_per_process=2, zero_stage=2), 2),
             ("shard_grad_op", CPUFSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), 2),
             ("full_shard", CPUFSDPStrategy(sharding_strategy="FULL_SHARD"), 2)]:
         words[name] = parallel_layout(_trainer(strategy, devices).strategy).state_words()
@@ -102,7 +105,7 @@ def test_exchange_names_come_from_one_vocabulary(allreduce, process_allreduce, p
 
 
 def test_hparams_name_the_exchange_in_the_vocabulary():
-    trainer = _trainer(SplitAllreduceStrategy(start_method="spawn", devices=["cpu", "cpu"]), devices=2)
+    trainer = _trainer(SplitAllreduceStrategy(processes=SPAWN, devices=["cpu", "cpu"]), devices=2)
     hparams = run_hparams(trainer, 64, 42)
     assert hparams["run/allreduce"] == "hierarchical" and hparams["run/backend"] == "gloo"
     assert hparams["run/processes"] == 2 and hparams["run/replicas_per_process"] == 2 and hparams["run/device"] == "cpu"

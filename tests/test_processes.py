@@ -9,7 +9,7 @@ import torch
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier
 from src.batch_shares import shard_sizes
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import ProcessStart, SplitAllreduceStrategy
 from tests.helpers.runs import START_METHOD, ddp, fit, max_param_diff, stop_then_resume, strategy_replicas
 from tests.helpers.shards import ShardSizes, saved_shard_sizes
 
@@ -36,7 +36,7 @@ class RankSnapshot(pl.Callback):
 
 
 def ours(**kwargs) -> SplitAllreduceStrategy:
-    return SplitAllreduceStrategy(start_method=START_METHOD, process_group_backend="gloo", **kwargs)
+    return SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method=START_METHOD), **kwargs)
 
 
 @pytest.fixture(scope="module")

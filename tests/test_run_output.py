@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from src.cli import main, run
 from src.run import hidden_messages
+from tests.helpers.cli_args import process_option
 
 LENET = ["--config", "configs/lenet.yaml"]
 OURS = ["--config", "configs/strategy/split_allreduce.yaml"]  # 2 replicas in this process
@@ -146,7 +147,7 @@ def test_forked_processes_and_the_test_after_fit_write_one_run(overlay, fast_arg
     """With `start_method: fork` the launching process goes on after fit and runs the test stage: its run folder,
     and the one its "run in" line names, is the one its forked workers trained in (not the next free version)."""
     with caplog.at_level(logging.INFO):
-        main(["fit", *LENET, "--config", overlay, "--trainer.strategy.init_args.start_method", "fork", *fast_args,
+        main(["fit", *LENET, "--config", overlay, process_option(overlay, "start_method"), "fork", *fast_args,
               "--test_after_fit", "true"])
     [line] = _lines(caplog, "test acc ")
     runs = sorted(p.relative_to(tmp_path / "logs") for p in (tmp_path / "logs" / "lenet").glob("*/version_*"))

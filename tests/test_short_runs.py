@@ -11,7 +11,7 @@ import yaml
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.classifier import LeNetClassifier, ResNet18Classifier, _warmup_then
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import ProcessStart, SplitAllreduceStrategy
 from tests.helpers.idx import write_fashion_mnist
 from tests.helpers.runs import START_METHOD, fit
 
@@ -113,7 +113,7 @@ def _layout(name: str) -> dict:
         return {"strategy": "auto"}
     if name == "ours-1x2":
         return {"strategy": SplitAllreduceStrategy(devices=["cpu", "cpu"])}
-    return {"strategy": SplitAllreduceStrategy(start_method=START_METHOD, process_group_backend="gloo"), "devices": 2,
+    return {"strategy": SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method=START_METHOD)), "devices": 2,
             "sync_batchnorm": True}
 
 

@@ -209,7 +209,7 @@ def test_the_profile_overlay_changes_nothing_it_records(tiny_data_dir, tmp_path,
     ours = ["--config", "configs/strategy/split_allreduce.yaml"] if layout == "1x2" else [
         "--config", "configs/strategy/split_allreduce_processes.yaml",
         "--trainer.strategy.init_args.replicas_per_process", "2",
-        "--trainer.strategy.init_args.start_method", START_METHOD]
+        "--trainer.strategy.init_args.processes.start_method", START_METHOD]
     ranks = 1 if layout == "1x2" else 2
     weights = {}
     for run in ("plain", "profiled"):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from src.strategies import SplitAllreduceStrategy
+from src.strategies import ProcessStart, SplitAllreduceStrategy
 from tests.helpers.runs import START_METHOD
 
 SAMPLES, FEATURES, CLASSES, BATCH = 96, 8, 3, 24  # 4 global batches of 24 per epoch
@@ -95,7 +95,7 @@ class FreezeBodyUntil(BaseFinetuning):
 def ours(k: int = 2, processes: int = 1, **kwargs) -> SplitAllreduceStrategy:
     """P `processes` (forked, gloo) x `k` CPU replicas."""
     if processes > 1:
-        kwargs.update(start_method=START_METHOD, process_group_backend="gloo")
+        kwargs.update(processes=ProcessStart("gloo", start_method=START_METHOD))
     return SplitAllreduceStrategy(devices=["cpu"] * k, **kwargs)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from src.models.classifier import LeNetClassifier
 from src.strategies.partitions import chunk_segments, owned_segments
+from src.strategies.comm.compression import CompressionSpec
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers.runs import assert_optimizer_state_as_one_devices, fit, seeded_model
 
@@ -198,8 +199,9 @@ def test_settings_that_cannot_be_partitioned_are_refused():
         SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=3)
     with pytest.raises(ValueError, match="allreduce: reduce_broadcast has none. Use allreduce: ring"):
         SplitAllreduceStrategy(devices=[CPU] * 2, zero_stage=1, allreduce="reduce_broadcast")
-    with pytest.raises(ValueError, match="compression: bf16 sends approximations .* compression: none, or zero_stage"):
-        SplitAllreduceStrategy(zero_stage=2, compression="bf16")
+    with pytest.raises(ValueError, match="compression.kind: bf16 sends approximations .* compression.kind: none, or "
+                                         "zero_stage"):
+        SplitAllreduceStrategy(zero_stage=2, compression=CompressionSpec("bf16"))
 
 
 def test_the_partitions_cover_every_element_once():

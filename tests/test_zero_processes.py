@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from src.strategies import ProcessStart
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers.runs import START_METHOD, assert_optimizer_state_as_one_devices, fit
 
@@ -17,7 +18,7 @@ RECIPE = dict(model_kwargs={"weight_decay": 1e-3}, gradient_clip_val=0.05, steps
 
 
 def ours(**kwargs) -> SplitAllreduceStrategy:
-    return SplitAllreduceStrategy(start_method=START_METHOD, process_group_backend="gloo", check_sync_every=1,
+    return SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method=START_METHOD), check_sync_every=1,
                                   **kwargs)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
+from src.run.class_paths import GROUPED_OPTIONS
 from src.run.config_keys import (accepted_options, class_path_of, close_keys, config_paths, file_with_key,
                                   file_with_list_item)
 from src.file_kinds import what_is
@@ -103,6 +104,10 @@ def _unknown_init_arg(message: str, argv: list[str], folder: str,
         source, written = file_with_key([*parts, option], argv, folder), f"{key}.{option}"
     where = f"config file {source}: " if source else "on the command line: "
     text = f"{where}{written} is not an option of {name or class_path or key}"
+    grouped = [f"{group}.{keys[option]}" for group, keys in GROUPED_OPTIONS.get(class_path or "", {}).items()
+               if option in keys]
+    if grouped:  # a flat option that joined a group: saved configs are translated, the command line is not
+        return text + ": it moved into an option group", [f"{key}.init_args.{grouped[0]}"]
     close = close_keys(option, options)
     if options and not close:
         text += f"; its options are {', '.join(options)}"

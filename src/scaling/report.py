@@ -64,7 +64,7 @@ def _overlay_args(strategy: str, devices: int, accelerator: str) -> list[str]:
     if strategy == "split_allreduce_processes":  # ours, one process per device (trainer.devices = processes)
         backend = "gloo" if accelerator == "cpu" else "nccl"
         return ["--config", "configs/strategy/split_allreduce_processes.yaml", "--trainer.accelerator", accelerator,
-                "--trainer.devices", str(devices), "--trainer.strategy.init_args.process_group_backend", backend]
+                "--trainer.devices", str(devices), "--trainer.strategy.init_args.processes.backend", backend]
     names = ["cpu"] * devices if accelerator == "cpu" else [f"cuda:{i}" for i in range(devices)]
     return ["--config", "configs/strategy/split_allreduce.yaml", "--trainer.accelerator", accelerator,
             "--trainer.strategy.init_args.devices", "[" + ", ".join(names) + "]"]

@@ -2,10 +2,11 @@
 
 `SplitAllreduceStrategy` and `CompressedDDPStrategy` are loaded on first use, so that importing
 `src.strategies.comm` does not load Lightning; their modules register their short names with Lightning when they
-are imported (`split_allreduce`; `ddp_bf16`, `ddp_powersgd`).
+are imported (`split_allreduce`; `ddp_bf16`, `ddp_powersgd`). Their option groups, `CompressionSpec` (both) and
+`ProcessStart` (ours), are loaded the same way.
 """
 
-__all__ = ["CompressedDDPStrategy", "SplitAllreduceStrategy"]
+__all__ = ["CompressedDDPStrategy", "CompressionSpec", "ProcessStart", "SplitAllreduceStrategy"]
 
 
 def __getattr__(name: str):
@@ -17,4 +18,12 @@ def __getattr__(name: str):
         from src.strategies.ddp_compression import CompressedDDPStrategy
 
         return CompressedDDPStrategy
+    if name == "CompressionSpec":  # `compression: {kind: ..., rank: ...}` of both
+        from src.strategies.comm.compression import CompressionSpec
+
+        return CompressionSpec
+    if name == "ProcessStart":  # ours' `processes: {backend: ..., timeout: ..., start_method: ...}`
+        from src.strategies.processes import ProcessStart
+
+        return ProcessStart
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -107,7 +107,7 @@ class CheckpointedCompression:
     its spec, with the state of a resumed checkpoint, and saved into every full checkpoint.
 
     Args:
-        spec: The checked settings (`compression`, `powersgd_rank`, ... of the strategy).
+        spec: The strategy's checked `compression` options.
     """
 
     def __init__(self, spec: CompressionSpec) -> None:
@@ -132,7 +132,7 @@ class CheckpointedCompression:
                 processes (None with one process).
         """
         self.active = None
-        name = self.spec.name
+        name = self.spec.kind
         if name != "none" and world_size == 1:
             rank_zero_info(f"split_allreduce: compression {name} has no effect with one process "
                            "(the exchange among a process's replicas stays exact)")

@@ -12,7 +12,7 @@ NeurIPS 2019, https://arxiv.org/abs/1905.13727.
 """
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,31 +22,27 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from src.layout import ParallelLayout, default_backend
-from src.strategies.comm.exchange_names import COMPRESSIONS, compression_tag
-from src.strategies.comm.powersgd_sizes import powersgd_problems
+from src.strategies.comm.compression import CompressionSpec
 
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _BF16_BYTES = torch.finfo(torch.bfloat16).bits // 8
 
 
-def check_compression_options(compression: str, powersgd_rank: int, powersgd_warmup_steps: int,
-                              error_feedback: bool, warm_start: bool, min_compression_rate: float,
-                              ddp_kwargs: dict[str, Any]) -> None:
-    """Refuse values torch would refuse later (in every training process) or would silently misread.
+def check_compression_options(compression: CompressionSpec, ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse what torch would refuse later (in every training process) or would silently misread; the settings
+    themselves were checked when `compression` was made (`CompressionSpec`).
 
     Raises:
         ValueError: One message listing every bad value and what to set instead.
     """
     problems = []
-    if compression not in COMPRESSIONS:
-        problems.append(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
-    problems += powersgd_problems(powersgd_rank, powersgd_warmup_steps, min_compression_rate)
-    if not problems and (error_feedback or warm_start) and powersgd_warmup_steps < 2:  # DDP's own rule
-        problems.append(f"powersgd_warmup_steps={powersgd_warmup_steps}: torch's PowerSGD needs at least 2 "
+    if compression.kind == "powersgd" and (compression.error_feedback or compression.warm_start) \
+            and compression.warmup_steps < 2:  # DDP's own rule
+        problems.append(f"compression.warmup_steps={compression.warmup_steps}: torch's PowerSGD needs at least 2 "
                         "uncompressed steps while error_feedback or warm_start is on (DDP rebuilds its gradient "
-                        "buckets after the first step); set powersgd_warmup_steps >= 2, or error_feedback: false "
-                        "and warm_start: false")
+                        "buckets after the first step); set compression.warmup_steps >= 2, or "
+                        "compression.error_feedback: false and compression.warm_start: false")
     given = [name for name in _HOOK_ARGS if ddp_kwargs.get(name) is not None]
     if given:
         problems.append(f"{', '.join(given)}: this strategy registers its hook from `compression`; use "
@@ -69,9 +65,9 @@ class CompressedDDPStrategy(DDPStrategy):
     - "bf16": torch's `bf16_compress_hook`: each bucket is cast to bfloat16 (2 bytes an element), divided by the
       world size, allreduced and cast back; 2x fewer bytes than float32 gradients, 4x fewer than float64.
     - "powersgd": torch's `powerSGD_hook` (Vogels, Karimireddy and Jaggi, NeurIPS 2019,
-      https://arxiv.org/abs/1905.13727): for its first `powersgd_warmup_steps` steps a plain allreduce; then
+      https://arxiv.org/abs/1905.13727): for its first `compression.warmup_steps` steps a plain allreduce; then
       every gradient matrix n x m (a conv kernel is viewed as out x in*k*k) that shrinks by at least
-      `min_compression_rate` is sent as two rank-r factors P (n x r) and Q (m x r), allreduced one after the
+      `compression.min_compression_rate` is sent as two rank-r factors P (n x r) and Q (m x r), allreduced one after the
       other, and every other tensor (biases) is allreduced as it is.
 
     Lightning registers `ddp_comm_hook` only on CUDA; this class registers in `configure_ddp` with torch's
@@ -93,22 +89,18 @@ class CompressedDDPStrategy(DDPStrategy):
 
     Resuming: Lightning saves no communication-hook state in checkpoints (neither `DDPStrategy` nor the
     checkpoint connector reads `ddp_comm_state`), and `configure_ddp` makes a new `PowerSGDState` at every fit.
-    A resumed run therefore starts PowerSGD anew: `powersgd_warmup_steps` uncompressed steps again, zero
+    A resumed run therefore starts PowerSGD anew: `compression.warmup_steps` uncompressed steps again, zero
     error-feedback memory, and fresh random Q factors drawn from the same seed as at the first start.
 
     Args:
-        compression: "none" (torch's `allreduce_hook`: DDP's own average, counted), "bf16" (`bf16_compress_hook`:
-            buckets allreduced in bfloat16) or "powersgd" (`powerSGD_hook`: rank-r factors after the warm-up).
-        powersgd_rank: r, the rank of PowerSGD's factors (torch's `matrix_approximation_rank`); a matrix n x m is
-            sent as (n + m) * r numbers instead of n * m.
-        powersgd_warmup_steps: Optimizer steps with a plain allreduce before PowerSGD starts (torch's
-            `start_powerSGD_iter`); at least 2 while `error_feedback` or `warm_start` is on. torch suggests
-            about 10% of the run and no fewer than the lr warm-up's steps.
-        error_feedback: Add what compression lost on this process in the previous step to this step's gradient
-            (torch's `use_error_feedback`; costs one gradient-sized buffer).
-        warm_start: Start each step's power iteration from the previous step's Q (torch's `warm_start`).
-        min_compression_rate: Compress a matrix only if (n + m) * r * min_compression_rate < n * m; others
-            are allreduced as they are.
+        compression: `kind` "none" (torch's `allreduce_hook`: DDP's own average, counted), "bf16"
+            (`bf16_compress_hook`: buckets allreduced in bfloat16) or "powersgd" (`powerSGD_hook`: rank-r factors
+            after the warm-up), and PowerSGD's settings, the same group as ours
+            (`src.strategies.comm.compression.CompressionSpec`): `rank` is torch's `matrix_approximation_rank`,
+            `warmup_steps` its `start_powerSGD_iter` (at least 2 while `error_feedback` or `warm_start` is on;
+            torch suggests about 10% of the run and no fewer than the lr warm-up's steps), `error_feedback` its
+            `use_error_feedback` (one gradient-sized buffer), `warm_start` its `warm_start`, and
+            `min_compression_rate` its own.
         **kwargs: Every argument of `lightning.pytorch.strategies.DDPStrategy` (`process_group_backend`,
             `timeout`, `start_method`, and DDP's own such as `bucket_cap_mb`), except the four that choose a hook
             by hand: `ddp_comm_state`, `ddp_comm_hook`, `ddp_comm_wrapper`, `model_averaging_period`.
@@ -124,21 +116,15 @@ class CompressedDDPStrategy(DDPStrategy):
         powersgd_state: torch's `PowerSGDState` of this fit ("powersgd" only, else None; made at setup).
 
     Raises:
-        ValueError: At construction, for an unknown `compression`, `powersgd_rank` < 1, `powersgd_warmup_steps`
-            < 2 with error feedback or warm start (< 0 without), `min_compression_rate` <= 0, or one of the
-            hook arguments above; one message lists every bad value and what to set.
+        ValueError: At construction, for `compression.warmup_steps` < 2 with error feedback or warm start, or one
+            of the hook arguments above; one message lists every bad value and what to set. `CompressionSpec`
+            refuses the other bad settings when it is made.
     """
 
-    def __init__(self, compression: Literal["none", "bf16", "powersgd"] = "bf16", powersgd_rank: int = 2,
-                 powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
-                 min_compression_rate: float = 2.0, **kwargs: Any) -> None:
-        check_compression_options(compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start,
-                                  min_compression_rate, kwargs)
+    def __init__(self, compression: CompressionSpec = CompressionSpec("bf16"), **kwargs: Any) -> None:
+        check_compression_options(compression, kwargs)
         super().__init__(**kwargs)  # as it is: jsonargparse reads DDPStrategy's arguments through this call
         self.compression = compression
-        self.powersgd_rank, self.powersgd_warmup_steps = powersgd_rank, powersgd_warmup_steps
-        self.error_feedback, self.warm_start = error_feedback, warm_start
-        self.min_compression_rate = min_compression_rate
         self.powersgd_state: powerSGD_hook.PowerSGDState | None = None
         self._reset_counts()
 
@@ -155,7 +141,7 @@ class CompressedDDPStrategy(DDPStrategy):
         backend = self.process_group_backend or default_backend(self.root_device)
         return ParallelLayout("ddp", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "torch" if p > 1 else "none", backend if p > 1 else None,
-                              compression=compression_tag(self.compression, self.powersgd_rank))
+                              compression=self.compression.tag)
 
     @override
     def configure_ddp(self) -> None:
@@ -168,15 +154,16 @@ class CompressedDDPStrategy(DDPStrategy):
 
     def _make_hook(self) -> tuple[object, Callable]:
         """A fresh hook state (a new `PowerSGDState` each fit) and the counting hook around torch's."""
-        if self.compression == "powersgd":
+        spec = self.compression
+        if spec.kind == "powersgd":
             if self.root_device.type == "cpu" and torch.cuda.is_available():
                 tolerate_cpu_in_cuda_synchronize()
             self.powersgd_state = powerSGD_hook.PowerSGDState(
-                process_group=None, matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=self.powersgd_warmup_steps, min_compression_rate=self.min_compression_rate,
-                use_error_feedback=self.error_feedback, warm_start=self.warm_start)
+                process_group=None, matrix_approximation_rank=spec.rank, start_powerSGD_iter=spec.warmup_steps,
+                min_compression_rate=spec.min_compression_rate, use_error_feedback=spec.error_feedback,
+                warm_start=spec.warm_start)
             return self.powersgd_state, self._counted_powersgd
-        return None, (self._counted_bf16 if self.compression == "bf16" else self._counted_allreduce)
+        return None, (self._counted_bf16 if spec.kind == "bf16" else self._counted_allreduce)
 
     def _count(self, sent: int, uncompressed: int) -> None:
         self.hook_calls += 1
@@ -241,6 +228,6 @@ def tolerate_cpu_in_cuda_synchronize() -> None:
 
 # `trainer.strategy: ddp_bf16` / `ddp_powersgd` (DDP's defaults otherwise) work once this module is imported
 StrategyRegistry.register("ddp_bf16", CompressedDDPStrategy, description="DDP with torch's bf16_compress_hook, "
-                          "registered on the CPU too", compression="bf16")
+                          "registered on the CPU too", compression=CompressionSpec("bf16"))
 StrategyRegistry.register("ddp_powersgd", CompressedDDPStrategy, description="DDP with torch's powerSGD_hook, "
-                          "registered on the CPU too", compression="powersgd")
+                          "registered on the CPU too", compression=CompressionSpec("powersgd"))

@@ -24,7 +24,7 @@ def per_step_tags(strategy: Any) -> list[str]:
     `grad_norm/replica_<k>` and `memory/*` under ours with several replicas, the two `comm/bytes_*` under DDP with a
     compression hook; none under other strategies."""
     if isinstance(strategy, CompressedDDPStrategy):
-        return [SENT, UNCOMPRESSED] if strategy.compression != "none" else []
+        return [SENT, UNCOMPRESSED] if strategy.compression.kind != "none" else []
     if not isinstance(strategy, SplitAllreduceStrategy) or not strategy.data_parallel:
         return []
     compressed = strategy.parallel_layout().compression != "none"
@@ -68,9 +68,10 @@ def compression_bytes(strategy: Any) -> tuple[str, int, int] | None:
     """(the compression in words, bytes sent, bytes uncompressed) of the last optimizer step under gradient
     compression, ours or `CompressedDDPStrategy`'s; None without compression or before a step."""
     if isinstance(strategy, CompressedDDPStrategy):
-        if strategy.compression == "none" or not strategy.bytes_uncompressed_last_step:
+        spec = strategy.compression
+        if spec.kind == "none" or not strategy.bytes_uncompressed_last_step:
             return None
-        words = f"PowerSGD rank {strategy.powersgd_rank}" if strategy.compression == "powersgd" else "bf16"
+        words = f"PowerSGD rank {spec.rank}" if spec.kind == "powersgd" else "bf16"
         return words, strategy.bytes_sent_last_step, strategy.bytes_uncompressed_last_step
     exchange = strategy.exchange if isinstance(strategy, SplitAllreduceStrategy) else None
     compression = exchange.compression if exchange is not None else None

@@ -6,6 +6,7 @@ With one process (P = 1) there is no process group at all: rank 0 of a world of 
 identity, and the data-parallel work happens only between the process's own devices (in the subclass).
 """
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -22,28 +23,48 @@ from src.run.cleanup import register as register_process_group_cleanup
 from src.run.lightning_compat import init_process_group, process_launcher, reduce_across_processes
 
 
-class ProcessesParallelStrategy(ParallelStrategy):
-    """P processes (`trainer.devices` per node × `trainer.num_nodes`), each with the local devices of the subclass.
+@dataclass(frozen=True)
+class ProcessStart:
+    """How the processes start and wait for each other: one option group, `processes: {backend: gloo, timeout:
+    "0:10:00"}` in YAML. Lightning's DDP takes the same three settings as `process_group_backend`, `timeout` and
+    `start_method`.
 
     Args:
-        process_group_backend: torch.distributed backend between processes ("gloo" for CPUs, "nccl" for
-            GPUs; default: by the root device's type, as DDP chooses).
-        timeout: How long a collective waits for a process that does not answer before it fails (the
-            process-group timeout of `torch.distributed.init_process_group`).
+        backend: torch.distributed backend between processes: "gloo" (CPUs) or "nccl" (GPUs); default: by the
+            root device's type, as DDP chooses.
+        timeout: How long a collective waits for a process that stopped answering before it fails (the
+            process-group timeout of `torch.distributed.init_process_group`), e.g. "0:10:00".
         start_method: How the local processes are started when P > 1: "popen" (the command line is run again
             once per extra process, as Lightning's DDP does by default), "spawn" (fresh worker processes that
             import everything again) or "fork" (copies of this process, which skip the imports a new interpreter
             repeats: Lightning's `ddp_fork`, for notebooks and tests on the CPU; not after CUDA is initialised).
             Processes started by torchrun or SLURM are used as they are.
+
+    Raises:
+        ValueError: An unknown start method.
     """
 
-    def __init__(self, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn", "fork"] = "popen") -> None:
+    backend: Literal["gloo", "nccl"] | None = None
+    timeout: timedelta | None = default_pg_timeout
+    start_method: Literal["popen", "spawn", "fork"] = "popen"
+
+    def __post_init__(self) -> None:
+        if self.start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"processes.start_method must be popen, spawn or fork, got {self.start_method!r}")
+
+
+class ProcessesParallelStrategy(ParallelStrategy):
+    """P processes (`trainer.devices` per node × `trainer.num_nodes`), each with the local devices of the subclass.
+
+    Args:
+        processes: How the processes start and wait for each other (`ProcessStart`).
+    """
+
+    def __init__(self, processes: ProcessStart = ProcessStart()) -> None:
         super().__init__()
-        if start_method not in ("popen", "spawn", "fork"):
-            raise ValueError(f"start_method must be popen, spawn or fork, got {start_method!r}")
         self._num_nodes = 1
-        self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
+        self._process_group_backend, self._timeout = processes.backend, processes.timeout
+        self._start_method = processes.start_method
 
     # ---- the world -----------------------------------------------------------------------------------
     @property

@@ -8,13 +8,11 @@ gradient exchange, replica 0's optimizer, the other replicas take its parameters
 `src.strategies.replicas`.
 """
 
-from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import Tensor
 from typing_extensions import override
@@ -33,7 +31,7 @@ from src.strategies.devices import local_replica_devices, parse_devices
 from src.strategies.limits import check_layout, check_options, check_replicas, check_trainer_setup
 from src.strategies.process_sync import GlobalBatchCount, agreement_code, gather_rates
 from src.strategies.replica_sync import check_in_sync_between_processes, check_replicas_in_sync, sync_every_buffer_
-from src.strategies.processes import ProcessesParallelStrategy
+from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
 from src.strategies.partitioned_optimizer import PartitionedOptimizer, over_partitions
@@ -75,20 +73,12 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             allreduce, for `StrategyMetrics` to log as `grad_norm/replica_k`.
         overlap: Allreduce each bucket during backward, as soon as every replica's gradients of it are ready:
             bitwise the same result (steps that compute `log_grad_norms` exchange after backward).
-        process_group_backend: Between processes: "gloo" (CPU) or "nccl" (GPU); default by device type.
-        timeout: How long a collective waits for a process that stopped answering (e.g. "0:10:00").
-        start_method: "popen" (the command line runs again per extra local process), "spawn" or "fork"
-            (worker processes started fresh or copied from this one).
-        compression: How each bucket travels between processes: "none" (exactly), "bf16" (sent and summed in
-            bfloat16) or "powersgd" (a rank-`powersgd_rank` approximation with error feedback; Vogels et al.,
-            NeurIPS 2019). Among a process's own replicas the exchange stays exact; with one process it has
-            no effect. docs/split_allreduce.md, "Gradient compression", walks through it.
-        powersgd_rank: PowerSGD's rank r: a gradient matrix (n, m) travels as n·r + m·r numbers.
-        powersgd_warmup_steps: Optimizer steps exchanged exactly before PowerSGD starts.
-        error_feedback: PowerSGD keeps what each approximation left out and adds it to the next gradient.
-        warm_start: PowerSGD starts each step's power iteration from the last step's Q.
-        min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor (biases
-            and other vectors always travel as they are); any number > 0, as torch's hook and the DDP overlay.
+        processes: How the processes start and wait for each other: `backend`, `timeout`, `start_method`
+            (`src.strategies.processes.ProcessStart`).
+        compression: How each bucket travels between processes: `kind` "none" (exactly), "bf16" or "powersgd",
+            and PowerSGD's settings (`src.strategies.comm.compression.CompressionSpec`). Among a process's own
+            replicas the exchange stays exact; with one process it has no effect. docs/split_allreduce.md,
+            "Gradient compression", walks through it.
         zero_stage: 0: every replica holds the whole optimizer state. 1: each of the P x K keeps its partition's
             only (ZeRO; `src.strategies.zero`). 2: its partition of the reduced gradient too. Needs the ring, no
             compression, and SGD, Adam or AdamW (not fused).
@@ -109,19 +99,14 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
                  split_weights: list[float] | Literal["auto"] | None = None,
                  sync_buffers: Literal["broadcast", "mean"] = "broadcast", bucket_cap_mb: float = 25.0,
                  auto_split_steps: int = 5, check_sync_every: int = 0, log_grad_norms: bool = False,
-                 overlap: bool = False, process_group_backend: Literal["gloo", "nccl"] | None = None,
-                 timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn", "fork"] = "popen",
-                 compression: Literal["none", "bf16", "powersgd"] = "none", powersgd_rank: int = 2,
-                 powersgd_warmup_steps: int = 1000, error_feedback: bool = True, warm_start: bool = True,
-                 min_compression_rate: float = 2.0, zero_stage: Literal[0, 1, 2] = 0) -> None:
-        # checked once, before the devices are parsed; the compression is made at train start (the world size)
-        self._compression = CheckpointedCompression(CompressionSpec(
-            compression, powersgd_rank, powersgd_warmup_steps, error_feedback, warm_start, min_compression_rate))
+                 overlap: bool = False, processes: ProcessStart = ProcessStart(),
+                 compression: CompressionSpec = CompressionSpec(), zero_stage: Literal[0, 1, 2] = 0) -> None:
+        # checked once, when each group was made; the compression is made at train start (the world size)
+        self._compression = CheckpointedCompression(compression)
         check_options(allreduce, process_allreduce, sync_buffers, bucket_cap_mb, auto_split_steps, check_sync_every)
         check_replicas(devices, replicas_per_process, split_weights)
-        check_stage(zero_stage, allreduce, compression)
-        super().__init__(process_group_backend, timeout, start_method)
+        check_stage(zero_stage, allreduce, compression.kind)
+        super().__init__(processes)
         self._devices = parse_devices(devices) if devices is not None else None
         self.replicas_per_process = len(devices) if devices is not None else replicas_per_process
         self.algorithm, self.process_algorithm = allreduce, process_allreduce

@@ -22,7 +22,7 @@ ELEMENTWISE = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.
 
 def check_stage(stage: int, allreduce: str = "ring", compression: str = "none") -> None:
     """Raises ValueError unless `stage` is 0, 1 or 2, and, when it is not 0, the in-process allreduce is the ring and
-    the processes exchange gradients exactly (`compression: none`)."""
+    the processes exchange gradients exactly (`compression.kind: none`)."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be 0 (every replica holds everything), 1 (optimizer state partitioned) "
                          f"or 2 (optimizer state and gradients partitioned), got {stage!r}; stage 3 (parameters "
@@ -31,8 +31,9 @@ def check_stage(stage: int, allreduce: str = "ring", compression: str = "none") 
         raise ValueError(f"zero_stage {stage} partitions the state over the ring's chunks; allreduce: {allreduce} has "
                          "none. Use allreduce: ring, or zero_stage: 0")
     if stage and compression != "none":
-        raise ValueError(f"zero_stage {stage} reduce-scatters the exact gradients; compression: {compression} sends "
-                         "approximations of whole buckets. Turn one off: compression: none, or zero_stage: 0")
+        raise ValueError(f"zero_stage {stage} reduce-scatters the exact gradients; compression.kind: {compression} "
+                         "sends approximations of whole buckets. Turn one off: compression.kind: none, or "
+                         "zero_stage: 0")
 
 
 def check_partitionable(optimizer: Optimizer) -> None:

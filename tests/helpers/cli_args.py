@@ -37,3 +37,13 @@ RESUMABLE_CALLBACKS = """trainer:
 # float64 (to compare with one device), no test after fit, no sanity validation
 RESUMABLE_FLOAT64 = ["--trainer.precision", "64-true", "--test_after_fit", "false", "--trainer.num_sanity_val_steps",
                      "0"]
+
+
+def process_option(overlay_args: str | list[str], name: str) -> str:
+    """The CLI flag of the process setting `name` ("start_method", "timeout", "backend") for the strategy the overlay
+    names: ours groups the three under `processes`, Lightning's DDP takes them flat (`process_group_backend` for
+    the backend)."""
+    text = overlay_args if isinstance(overlay_args, str) else " ".join(overlay_args)
+    if "split_allreduce" in text:
+        return f"--trainer.strategy.init_args.processes.{name}"
+    return f"--trainer.strategy.init_args.{'process_group_backend' if name == 'backend' else name}"

@@ -34,6 +34,7 @@ and matrices that would shrink by less than `min_compression_rate` are sent as t
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -249,19 +250,25 @@ Compression = Bf16Compression | PowerSGDCompression
 
 @dataclass(frozen=True)
 class CompressionSpec:
-    """The `compression` options of split_allreduce, checked once when the strategy is built; `make` builds the
-    compression at setup, when the world size and the exchange between processes are known.
+    """How gradients travel between processes: one option group, `compression: {kind: powersgd, rank: 2}` in YAML,
+    the same for ours and for the DDP overlay (`CompressedDDPStrategy`). Checked once when it is made; `make`
+    builds the compression at setup, when the world size and the exchange between processes are known.
 
     Args:
-        name: "none", "bf16" or "powersgd".
-        rank, warmup_steps, error_feedback, warm_start, min_compression_rate: PowerSGD's settings (see
-            `PowerSGDCompression`); ignored by the others.
+        kind: "none" (exactly), "bf16" (sent and summed in bfloat16) or "powersgd" (a rank-`rank` approximation
+            with error feedback; Vogels et al., NeurIPS 2019, https://arxiv.org/abs/1905.13727).
+        rank: PowerSGD's rank r: a gradient matrix (n, m) travels as n·r + m·r numbers.
+        warmup_steps: Optimizer steps exchanged exactly before PowerSGD starts.
+        error_feedback: PowerSGD keeps what each approximation left out and adds it to the next gradient.
+        warm_start: PowerSGD starts each step's power iteration from the last step's Q.
+        min_compression_rate: PowerSGD compresses a matrix only if it shrinks by more than this factor (biases and
+            other vectors always travel as they are); any number > 0, as torch's hook takes.
 
     Raises:
-        ValueError: An unknown name, or bad PowerSGD settings with "powersgd".
+        ValueError: An unknown kind, or bad PowerSGD settings with "powersgd".
     """
 
-    name: str = "none"
+    kind: Literal["none", "bf16", "powersgd"] = "none"
     rank: int = 2
     warmup_steps: int = 1000
     error_feedback: bool = True
@@ -269,8 +276,8 @@ class CompressionSpec:
     min_compression_rate: float = 2.0
 
     def __post_init__(self) -> None:
-        check_choice("compression", self.name, COMPRESSIONS)
-        if self.name == "powersgd":
+        check_choice("compression.kind", self.kind, COMPRESSIONS)
+        if self.kind == "powersgd":
             problems = powersgd_problems(self.rank, self.warmup_steps, self.min_compression_rate)
             if problems:
                 raise ValueError("; ".join(problems))
@@ -278,14 +285,14 @@ class CompressionSpec:
     @property
     def tag(self) -> str:
         """How run names and HPARAMS name it: "none", "bf16", "powersgd-r<rank>"."""
-        return compression_tag(self.name, self.rank)
+        return compression_tag(self.kind, self.rank)
 
     def make(self, world_size: int, wire_bytes: Callable[[int, int], int], seed: int = 0) -> Compression | None:
         """The compression for `world_size` processes whose uncompressed exchange sends `wire_bytes(numel,
         element_size)` bytes ("none": None)."""
-        if self.name == "bf16":
+        if self.kind == "bf16":
             return Bf16Compression(wire_bytes)
-        if self.name == "powersgd":
+        if self.kind == "powersgd":
             return PowerSGDCompression(self.rank, self.warmup_steps, self.error_feedback, self.warm_start,
                                        self.min_compression_rate, world_size, wire_bytes, seed)
         return None

@@ -48,8 +48,8 @@ def check_min_compression_rate(value: object) -> None:
         ValueError: For anything else, naming the value.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"min_compression_rate={value!r}: must be a number > 0 (a matrix is compressed only if "
-                         "that shrinks it by this factor; e.g. 2.0)")
+        raise ValueError(f"compression.min_compression_rate={value!r}: must be a number > 0 (a matrix is compressed "
+                         "only if that shrinks it by this factor; e.g. 2.0)")
 
 
 def powersgd_problems(rank: object, warmup_steps: object, min_compression_rate: object) -> list[str]:
@@ -57,16 +57,16 @@ def powersgd_problems(rank: object, warmup_steps: object, min_compression_rate: 
     overlay share, each setting checked here once.
 
     Args:
-        rank: `powersgd_rank`, an integer >= 1.
-        warmup_steps: `powersgd_warmup_steps`, an integer >= 0.
+        rank: `compression.rank`, an integer >= 1.
+        warmup_steps: `compression.warmup_steps`, an integer >= 0.
         min_compression_rate: A number > 0 (`check_min_compression_rate`).
     """
     problems = []
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        problems.append(f"powersgd_rank must be an integer of at least 1 (the rank of PowerSGD's low-rank factors, "
+        problems.append(f"compression.rank must be an integer of at least 1 (the rank of PowerSGD's low-rank factors, "
                         f"e.g. 2), got {rank!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        problems.append(f"powersgd_warmup_steps must be an integer number of steps, 0 or more, got {warmup_steps!r}")
+        problems.append(f"compression.warmup_steps must be an integer number of steps, 0 or more, got {warmup_steps!r}")
     try:
         check_min_compression_rate(min_compression_rate)
     except ValueError as err:
