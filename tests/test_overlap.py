@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from src.strategies import SplitAllreduceStrategy
+from src.strategies.comm.gradient_exchange import GradientExchange
 from tests.helpers.runs import assert_replicas_bitwise_equal, fit, max_param_diff
 
 SMALL_BUCKETS = 0.05  # MiB: LeNet's 0.5 MB of gradients in 9 buckets, so there is something to overlap
@@ -52,3 +53,25 @@ def test_overlap_with_accumulation_and_an_empty_shard(tiny_data_dir):
     lopsided, _, snap = fit(tiny_data_dir, strategy, steps=4)
     reference, _, _ = fit(tiny_data_dir, steps=4)
     assert strategy.shard_sizes(25) == [25, 0] and max_param_diff(lopsided, reference) <= 1e-9
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_exchange_made_again_inside_the_closure_makes_the_expected_exchange(overlap):
+    """The strategy arms the exchange before Lightning's closure; when the closure's own follow of replica 0 makes
+    the exchange again (new `requires_grad` flags), the new one sums the gradients and the old one does not."""
+    torch.manual_seed(0)
+    replicas = [torch.nn.Linear(3, 2, dtype=torch.float64) for _ in range(2)]
+    params = [list(r.parameters()) for r in replicas]
+    old = GradientExchange(params, "ring", 1 << 20, overlap)
+    old.expect()
+    old.remove()
+    new = GradientExchange(params, "ring", 1 << 20, overlap)
+    old.hand_over(new)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    alone = [torch.autograd.grad(r(x).square().sum() * (k + 1), r.weight)[0] for k, r in enumerate(replicas)]
+    old.in_backward(lambda: None)  # nothing expected of the old one any more: no exchange
+    new.in_backward(lambda: [(r(x).square().sum() * (k + 1)).backward() for k, r in enumerate(replicas)])
+    for r in replicas:
+        assert torch.equal(r.weight.grad, alone[0] + alone[1])
+    new.unless_done()  # the expected exchange ran in that backward: nothing is left to run
+    assert new.bytes_sent and all(n > 0 for n in new.bytes_sent)

@@ -29,7 +29,7 @@ from torchmetrics import Metric
 from src.layout import HeldBytes, held_bytes
 from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
 from src.strategies.lockstep import lockstep_apply
-from src.strategies.scatter_gather import ShardedCall, parallel_apply
+from src.strategies.scatter_gather import ShardedCall, parallel_apply, scatter
 from src.strategies.sync_batchnorm import convert_, revert_
 from src.timeline.labels import phase
 
@@ -239,20 +239,42 @@ class ReplicaSet:
             self.watch.record(optimizers[0])  # it refuses an optimizer over tensors the replicas do not have
         return trainable_changed
 
-    def run(self, call: ShardedCall, step_context: Callable[[], Any], timed: bool) -> tuple[list[Any], list[float]]:
-        """`call.hook` of every replica on its shard, then their metrics merged into replica 0's.
+    def forward(self, hook: str, args: tuple, kwargs: dict, sizes: list[int], step_context: Callable[[], Any],
+                gather: Callable[[list[tuple[int, Any]]], Any], replicate: bool = False,
+                timed: Callable[[list[int], list[float]], None] | None = None) -> Any:
+        """One data-parallel call of a LightningModule hook, its four verbs in one place as
+        `torch.nn.DataParallel.forward` has them: scatter, replicate, apply on every replica, gather.
 
-        Returns:
-            (the replicas' outputs, each replica's seconds when `timed`, else an empty list).
+        1. scatter: the batch `args[0]` is cut into consecutive shards of `sizes` (views; each replica moves its
+           own shard to its device);
+        2. replicate (`replicate`, for training steps): every other replica takes replica 0's parameters, so that
+           what hooks did to replica 0 since the update reaches all, as DataParallel replicates at every forward;
+        3. apply: `hook` runs on every replica with its shard, in threads (in lockstep under sync_batchnorm), inside
+           `step_context` (the precision plugin's), and the replicas' metrics are merged into replica 0's;
+        4. gather: `gather` is given [(n_k, output of replica k)], replica 0 first, and its result is returned.
+
+        Args:
+            hook: "training_step", "validation_step" or "test_step".
+            args, kwargs: The hook's arguments; `args[0]` is this process's part of the global batch, e.g.
+                (x (N, 1, 28, 28) float32, y (N,) int64).
+            sizes: n_k per replica, summing to N (`src.batch_shares.shard_sizes`).
+            timed: Given each replica's seconds of its forward pass (`split_weights: auto` while it measures).
         """
+        with phase("scatter"):
+            call = ShardedCall(hook, scatter(args[0], sizes), sizes, args[1:], kwargs)
+        if replicate:
+            self.take_replica0_parameters()
         seconds: list[float] = []
-        if self.sync_group is not None and call.hook == "training_step":  # sync_batchnorm: replicas in lockstep
-            outputs = lockstep_apply(self.modules, self.devices, call, self.sync_group, step_context)
-        else:
-            outputs, seconds = parallel_apply(self.modules, self.devices, call, timed=timed)
-        for pairs in self._metric_pairs:
-            merge_metrics_(pairs)
-        return outputs, seconds
+        with step_context():
+            if self.sync_group is not None and hook == "training_step":  # sync_batchnorm: replicas in lockstep
+                outputs = lockstep_apply(self.modules, self.devices, call, self.sync_group, step_context)
+            else:
+                outputs, seconds = parallel_apply(self.modules, self.devices, call, timed=timed is not None)
+            for pairs in self._metric_pairs:
+                merge_metrics_(pairs)
+        if timed is not None:
+            timed(sizes, seconds)
+        return gather(list(zip(sizes, outputs)))
 
     def take_replica0_parameters(self, buffers: bool = False) -> None:
         """Every other replica takes replica 0's parameters (and, if `buffers`, its buffers): before each forward pass,

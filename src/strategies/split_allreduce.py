@@ -2,12 +2,13 @@
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes.
 
 Read top to bottom: the settings, where the replicas live, setup, then one step. `training_step` is the
-algorithm: follow replica 0, scatter, run the replicas, gather. `optimizer_step` is the update: backward with the
+algorithm: follow replica 0, then `ReplicaSet.forward` (scatter, replicate, run the replicas, gather). `optimizer_step` is the update: backward with the
 gradient exchange, replica 0's optimizer, the other replicas take its parameters, sync buffers. The processes
 (launch, process group, collectives) are the base class, `src.strategies.processes`; the replicas are
 `src.strategies.replicas`.
 """
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
 
@@ -33,7 +34,7 @@ from src.strategies.process_sync import GlobalBatchCount, agreement_code, gather
 from src.strategies.replica_sync import check_in_sync_between_processes, check_replicas_in_sync, sync_every_buffer_
 from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 from src.strategies.replicas import ReplicaSet
-from src.strategies.scatter_gather import ShardedCall, batch_size_of, gather_losses, scatter
+from src.strategies.scatter_gather import batch_size_of, gather_losses
 from src.strategies.partitioned_optimizer import PartitionedOptimizer, over_partitions
 from src.strategies.zero import check_stage
 from src.timeline.labels import phase
@@ -119,7 +120,6 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         self.exchange: GradientExchange | None = None  # made at train start; kept after fit (byte counts, buckets)
         self.zero_stage = zero_stage
         self._update_bytes: list[int] = []  # with zero_stage: bytes each device sent in the last all-gather
-        self._followed = False  # optimizer_step followed replica 0 already, for the training_step in its closure
         self._batch_count: GlobalBatchCount | None = None  # N of each global batch, with several processes
 
     # ---- where the replicas live, and what a user or a callback may read of them ---------------------------
@@ -263,14 +263,17 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             remake = True
         if not remake:
             return
-        if self.exchange is not None:
-            self.exchange.remove()
+        previous = self.exchange
+        if previous is not None:
+            previous.remove()
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
         bucket_op = partitioned.partitions.reduce_scatter_bucket_ if self.zero_stage == 2 else None
         self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
                                          background, self.compression, bucket_op)
+        if previous is not None:  # made again inside the step's closure: the new one makes the expected exchange
+            previous.hand_over(self.exchange)
 
     @override
     def teardown(self) -> None:
@@ -302,46 +305,35 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             check_enough_samples("a batch of ", n, self.replicas_per_process)
         return shard_sizes(n, self.shares.replica_weights(self.global_rank))
 
-    def _scatter(self, hook: str, args: tuple, kwargs: dict, n: int | None = None) -> ShardedCall:
-        """`hook` on this process's part of the batch `args[0]` (of `n` samples, counted here if not given), cut
-        into one shard per replica by their shares."""
-        sizes = self.shard_sizes(batch_size_of(args[0]) if n is None else n)
-        with phase("scatter"):
-            return ShardedCall(hook, scatter(args[0], sizes), sizes, args[1:], kwargs)
-
-    def _run_replicas(self, call: ShardedCall) -> list[tuple[int, Any]]:
-        """Run the call on every replica and merge their metrics (timed while `split_weights: auto` measures);
-        [(n_k, output_k)] by replica."""
-        timed = self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training
-        outputs, seconds = self.replica_set.run(call, self.precision_plugin.train_step_context, timed)
-        if timed:
-            self.auto_split.record(call.sizes, seconds)
-        return list(zip(call.sizes, outputs))
+    def _timer(self) -> Callable[[list[int], list[float]], None] | None:
+        """What takes each replica's seconds of a training step while `split_weights: auto` measures; else None."""
+        if self.split_weights == "auto" and self.auto_split.counting and self.lightning_module.trainer.training:
+            return self.auto_split.record
+        return None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run training_step on every shard and return the loss of the whole global batch (gather)."""
+        """Run training_step on every shard (`ReplicaSet.forward`) and return the loss of the whole global batch."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
-        # follow replica 0 (optimizer_step did, unless this micro-batch only accumulates gradients)
-        if not self._followed:
-            self._follow_replica0()
-        self._followed = False
-        # as DataParallel replicates at every forward: what hooks did to replica 0 since the update reaches all
-        self.replica_set.take_replica0_parameters()
+        # optimizer_step followed replica 0 before its closure; again here, for micro-batches that only accumulate
+        # gradients and for what a hook changed since (a changed exchange takes over the one expected)
+        self._follow_replica0()
         n = batch_size_of(args[0])
         total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
         if self.multi_process:
             total = self._batch_count.of(self.lightning_module.trainer, n, self.replica_set.sync_group is not None,
                                          lambda: agreement_code(self.replica_set.watch, self.optimizers[0]))
-        call = self._scatter("training_step", args, kwargs, n)  # scatter
-        with self.precision_plugin.train_step_context():
-            results = self._run_replicas(call)  # run the replicas
-        total = total()
-        if any(size and out is None for size, out in results):
-            return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
-        with phase("gather"):
-            return gather_losses(results, self.root_device, total)
+
+        def gather(results: list[tuple[int, Any]]) -> Any:
+            count = total()
+            if any(size and out is None for size, out in results):
+                return None  # a replica skipped its shard (e.g. a non-finite loss): skip the whole global batch
+            with phase("gather"):
+                return gather_losses(results, self.root_device, count)
+
+        return self.replica_set.forward("training_step", args, kwargs, self.shard_sizes(n),
+                                        self.precision_plugin.train_step_context, gather, True, self._timer())
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -387,8 +379,8 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
         if not self.data_parallel:
             return getattr(super(), hook)(*args, **kwargs)
-        with context():
-            return self._run_replicas(self._scatter(hook, args, kwargs))[0][1]
+        sizes = self.shard_sizes(batch_size_of(args[0]))
+        return self.replica_set.forward(hook, args, kwargs, sizes, context, lambda results: results[0][1])
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -398,13 +390,12 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # follow before the closure, so that overlap hooks made for new `requires_grad` flags are armed in it
         self._follow_replica0()
-        self._followed = True
         # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
         # hooks, clipping and the update. Replica 0's optimizer steps and the others take its parameters; the
         # partitioned one (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
-        closure = self.exchange.expect(closure, self.log_grad_norms and should_update_logs(replica0.trainer))
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.exchange.expect(self.log_grad_norms and should_update_logs(replica0.trainer))
+        out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         if (partitioned := self._partitioned()) is None:
             self.replica_set.drop_other_gradients()
             self.replica_set.take_replica0_parameters()
@@ -416,6 +407,13 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             self._fix_auto_split()
         if self.check_sync_every and self.optimizer_steps % self.check_sync_every == 0:
             self.check_replicas_in_sync()
+        return out
+
+    def _closure_with_exchange(self, closure: Callable[[], Any]) -> Any:
+        """Lightning's closure, then the expected exchange if its backward did not run it (a skipped batch): by the
+        exchange of the end of the closure, which a hook's change may have made anew inside it."""
+        out = closure()
+        self.exchange.unless_done()
         return out
 
     def _fix_auto_split(self) -> None:

@@ -274,16 +274,15 @@ class GradientExchange:
         self.finish()
         return out
 
-    def expect(self, closure: Callable[[], Any], grad_norms: bool = False) -> Callable[[], Any]:
-        """Make the next `in_backward` exchange: the backward of `closure`, Lightning's closure of the micro-batch that
-        ends a step (`grad_norms` as in `around_backward`). Returns `closure` followed by `unless_done`."""
+    def expect(self, grad_norms: bool = False) -> None:
+        """Make the next `in_backward` exchange: the backward of Lightning's closure of the micro-batch that ends a
+        step (`grad_norms` as in `around_backward`); the closure ends with `unless_done`."""
         self._due = _Due(grad_norms)
 
-        def closure_with_exchange() -> Any:
-            out = closure()
-            self.unless_done()
-            return out
-        return closure_with_exchange
+    def hand_over(self, successor: "GradientExchange") -> None:
+        """Give an expected exchange to `successor`, the exchange made in this one's place (over new `requires_grad`
+        flags) before the expected backward ran."""
+        successor._due, self._due = self._due, None
 
     def in_backward(self, backward: Callable[[], Any]) -> None:
         """Run `backward`, with the exchange around it if one is expected (`expect`), else alone (a micro-batch that
