@@ -2,10 +2,10 @@
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes.
 
 Read top to bottom: the settings, where the replicas live, setup, then one step. `training_step` is the
-algorithm: follow replica 0, then `ReplicaSet.forward` (scatter, replicate, run the replicas, gather). `optimizer_step` is the update: backward with the
-gradient exchange, replica 0's optimizer, the other replicas take its parameters, sync buffers. The processes
-(launch, process group, collectives) are the base class, `src.strategies.processes`; the replicas are
-`src.strategies.replicas`.
+algorithm: follow replica 0, then `ReplicaSet.forward` (scatter, replicate, run the replicas, gather).
+`optimizer_step` is the update: backward with the gradient exchange, replica 0's optimizer, the other replicas
+take its parameters, sync buffers. The processes (launch, process group, collectives) are the base class,
+`src.strategies.processes`; the replicas are `src.strategies.replicas`.
 """
 
 from collections.abc import Callable
