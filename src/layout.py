@@ -36,6 +36,12 @@ class ParallelLayout:
         zero_stage: Ours' `zero_stage`: 0, or 1 and 2 where each replica keeps a partition of the optimizer state
             (and of the gradients); under FSDP the stage its sharding matches (2: SHARD_GRAD_OP, 3: FULL_SHARD).
         sharding: FSDP's sharding strategy by torch's name ("SHARD_GRAD_OP", "FULL_SHARD", ...), None elsewhere.
+        model_parallel: Processes that hold one model between them (the pipeline's stages), 1 elsewhere. Each
+            such group is one replica: its processes take the same part of every global batch, and consecutive
+            ranks form a group.
+        model_split: How the model is split between those processes, in words for the epoch line, e.g. "2 stages
+            (features.0-features.5 | classifier.0-classifier.3), GPipe, 4 micro-batches"; None when it is not.
+        split_tag: The same for run names, e.g. "gpipe-m4"; None when the model is not split.
     """
 
     strategy: str
@@ -51,11 +57,19 @@ class ParallelLayout:
     compression: str = "none"
     zero_stage: int = 0
     sharding: str | None = None
+    model_parallel: int = 1
+    model_split: str | None = None
+    split_tag: str | None = None
 
     @property
     def total_replicas(self) -> int:
-        """P x K, the replicas of the whole job."""
-        return self.processes * self.replicas_per_process
+        """P x K, the replicas of the whole job (P / stages under the pipeline, whose stages hold one between them)."""
+        return self.processes * self.replicas_per_process // self.model_parallel
+
+    def data_rank(self, global_rank: int) -> tuple[int, int]:
+        """(which part of every global batch rank `global_rank` takes, into how many parts it is cut): (rank, P)
+        for data parallelism, (rank // stages, P // stages) when processes hold one model between them."""
+        return global_rank // self.model_parallel, self.processes // self.model_parallel
 
     @property
     def device_type(self) -> str:
@@ -93,6 +107,8 @@ class ParallelLayout:
         partitions)", ", FULL_SHARD (parameters, gradients and optimizer state in 2 shards)", ", SHARD_GRAD_OP
         (gradients and optimizer state in 2 shards)"; "" for one device, DDP and ours at stage 0."""
         n = self.total_replicas
+        if self.model_split is not None:
+            return f", {self.model_split}"
         if self.sharding is not None:
             parts = _SHARDED.get(self.sharding)
             return f", {self.sharding} ({parts} in {n} shards)" if parts else f", {self.sharding}"

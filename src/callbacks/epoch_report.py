@@ -102,12 +102,18 @@ class EpochReport(pl.Callback):
                      f"{throughput:,.0f} images/s, {where}{words}")
 
 
+def _own_images(trainer: pl.Trainer, images: int) -> int:
+    """This process's images as the sum over processes counts them: the processes that hold one model between them
+    (pipeline stages) see the same images, which the first of them counts."""
+    return images if trainer.global_rank % parallel_layout(trainer.strategy).model_parallel == 0 else 0
+
+
 def _sum_over_processes(trainer: pl.Trainer, count: int) -> int:
-    """A per-process count summed over every process (processes may hold shards of different sizes)."""
+    """A per-process image count summed over every process (processes may hold shards of different sizes)."""
     if trainer.world_size == 1:
         return count
-    return int(trainer.strategy.reduce(torch.tensor(float(count), device=trainer.strategy.root_device),
-                                       reduce_op="sum").item())
+    mine = torch.tensor(float(_own_images(trainer, count)), device=trainer.strategy.root_device)
+    return int(trainer.strategy.reduce(mine, reduce_op="sum").item())
 
 
 def _images_and_rank_zero_seconds(trainer: pl.Trainer, images: int, seconds: float) -> tuple[int, float]:
@@ -118,8 +124,8 @@ def _images_and_rank_zero_seconds(trainer: pl.Trainer, images: int, seconds: flo
     """
     if trainer.world_size == 1:
         return images, seconds
-    mine = torch.tensor([float(images), seconds if trainer.is_global_zero else 0.0], dtype=torch.float64,
-                        device=trainer.strategy.root_device)
+    mine = torch.tensor([float(_own_images(trainer, images)), seconds if trainer.is_global_zero else 0.0],
+                        dtype=torch.float64, device=trainer.strategy.root_device)
     total = trainer.strategy.reduce(mine, reduce_op="sum")
     return int(total[0].item()), float(total[1].item())
 

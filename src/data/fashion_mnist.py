@@ -220,8 +220,12 @@ class FashionMNISTDataModule(pl.LightningDataModule):
         return root if wanted else torch.device("cpu")
 
     def _world(self) -> tuple[int, int]:
+        """(this rank's part of every global batch, the number of parts): the ranks that hold one model between
+        them (pipeline stages) take the same part."""
         trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if trainer is None:
+            return 0, 1
+        return parallel_layout(trainer.strategy).data_rank(trainer.global_rank)
 
     def _sampler(self, num_samples: int, global_batch: int, train: bool) -> GlobalBatchSampler:
         """This rank's part of every global batch: equal parts (DDP: the global batch must divide by the world

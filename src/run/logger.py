@@ -38,6 +38,7 @@ def run_tag(trainer: "pl.Trainer") -> str:
     layout = parallel_layout(trainer.strategy)
     tag = f"{layout.strategy}-{layout.processes}x{layout.replicas_per_process}-{layout.device_type}"
     tag = tag if layout.compression == "none" else f"{tag}-{layout.compression}"
+    tag = tag if layout.split_tag is None else f"{tag}-{layout.split_tag}"
     return f"{tag}-zero{layout.zero_stage}" if layout.zero_stage else tag
 
 

@@ -6,7 +6,7 @@ are imported (`split_allreduce`; `ddp_bf16`, `ddp_powersgd`). Their option group
 `ProcessStart` (ours), are loaded the same way.
 """
 
-__all__ = ["CompressedDDPStrategy", "CompressionSpec", "ProcessStart", "SplitAllreduceStrategy"]
+__all__ = ["CompressedDDPStrategy", "CompressionSpec", "PipelineStrategy", "ProcessStart", "SplitAllreduceStrategy"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,10 @@ def __getattr__(name: str):
         from src.strategies.ddp_compression import CompressedDDPStrategy
 
         return CompressedDDPStrategy
+    if name == "PipelineStrategy":  # configs/strategy/pipeline_cpu.yaml
+        from src.strategies.pipeline import PipelineStrategy
+
+        return PipelineStrategy
     if name == "CompressionSpec":  # `compression: {kind: ..., rank: ...}` of both
         from src.strategies.comm.compression import CompressionSpec
 

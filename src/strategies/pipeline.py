@@ -1,0 +1,325 @@
+"""Pipeline parallelism by config: the network cut by layers into one stage per process, each global batch cut
+into micro-batches that flow through the stages, on torch.distributed.pipelining's schedules (GPipe, 1F1B).
+
+The first of the d2l.ai chapter's three ways to split training over devices ("Training on Multiple GPUs"): each
+device runs some layers and passes its output on. Here each of P processes holds one stage
+(`src.strategies.pipeline_stages`); torch's `PipelineStage` and schedules do every send, receive and the order of
+the micro-batches' forward and backward passes (`src.strategies.pipeline_net`). Every process sees the whole
+global batch; each updates its own stage's parameters with the user's optimizer, and the parameters of the other
+stages are freed on it.
+
+A checkpoint is one device's: its state dict and optimizer state gathered from the stages on rank 0, so a one-device
+run resumes it and a pipelined run resumes one device's.
+
+Sources: torch.distributed.pipelining (https://pytorch.org/docs/stable/distributed.pipelining.html); GPipe (Huang
+et al., NeurIPS 2019, https://arxiv.org/abs/1811.06965); 1F1B (Narayanan et al., "PipeDream", SOSP 2019).
+"""
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from src.layout import ParallelLayout
+from src.strategies.pipeline_net import SCHEDULES, PipelinedNet
+from src.strategies.pipeline_stages import (balanced_starts, block_seconds, check_chain, cut_starts, named_blocks,
+                                            stage_module, stage_names)
+from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
+
+_WORDS = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+class PipelineStrategy(ProcessesParallelStrategy):
+    """The LightningModule's `net` cut into P stages, one per process (`trainer.devices` x `trainer.num_nodes`).
+
+    Args:
+        cuts: The block each stage after the first begins with, by its name in the network (e.g. [classifier] or
+            [features.3] for LeNet, [stages.2] for ResNet-18; `src.strategies.pipeline_stages.named_blocks`), P - 1
+            of them; or "auto": the cut that makes the slowest stage fastest by each block's forward time, measured
+            on rank 0 on the first batch's micro-batch.
+        n_microbatches: Micro-batches per global batch; must divide `data.batch_size` (an epoch's last, smaller
+            batch takes the largest number below it that divides it).
+        schedule: "gpipe" (every micro-batch's forward, then every backward) or "1f1b" (one forward, one backward
+            once the pipeline is full: fewer activations held).
+        processes: How the processes start and wait for each other (`ProcessStart`).
+
+    Raises:
+        ValueError: At construction, an unknown schedule or fewer than one micro-batch; at setup or the first
+            batch, cuts that do not fit the network or the processes, micro-batches that do not divide the batch.
+        RuntimeError: At setup, what the pipeline cannot run: manual optimization, gradient clipping, a model
+            without `net` and `loss_fn`, torch.compile, fp16 with a gradient scaler.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(self, cuts: list[str] | Literal["auto"] = "auto", n_microbatches: int = 4,
+                 schedule: Literal["gpipe", "1f1b"] = "gpipe", processes: ProcessStart = ProcessStart()) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {schedule!r} is not one this strategy runs; choose one of "
+                             f"{', '.join(SCHEDULES)}")
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"pipeline n_microbatches must be an integer of at least 1, got {n_microbatches!r}")
+        super().__init__(processes)
+        self.cuts, self.n_microbatches, self.schedule = cuts, n_microbatches, schedule
+        self._starts: list[int] | None = None  # each stage's first block, fixed at the first batch
+        self._blocks: list[tuple[str, nn.Module]] = []
+        self._net: nn.Module | None = None  # the module's own network, put back at teardown
+        self._pipelined: PipelinedNet | None = None
+        self._freed = False  # whether the other stages' tensors are freed on this process
+        self._fresh: list[tuple[nn.Parameter, Tensor]] = []  # the last training step's gradients, until `backward`
+        self._shapes: list[torch.Size] = []  # of every tensor of the blocks (`_tensors`), kept when they are freed
+
+    # ---- the world ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        devices = self.parallel_devices
+        return devices[self.local_rank] if devices else torch.device("cpu")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every stage sees the whole global batch."""
+        return {"num_replicas": 1, "rank": 0}
+
+    def parallel_layout(self) -> ParallelLayout:
+        """P processes holding one model between them, as the epoch line, run names and the DataModule read it."""
+        p = self.world_size
+        words = f"{p} stages, {_WORDS[self.schedule]}, {self.n_microbatches} micro-batches"
+        if self._starts is not None:
+            words = f"{p} stages ({' | '.join(stage_names(self._blocks, self._starts))}), " + words.split(", ", 1)[1]
+        return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
+                              "none", self.process_group_backend if p > 1 else None, model_parallel=p,
+                              model_split=words, split_tag=f"{self.schedule}-m{self.n_microbatches}")
+
+    # ---- setup ----------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Refuse what the pipeline cannot run, Lightning's setup, then the pipeline in the network's place (its
+        stage is fixed at the first batch, `_plan`; a later stage in this process keeps it)."""
+        module = trainer.lightning_module
+        check_pipelinable(trainer, module, self.precision_plugin, self.n_microbatches)
+        super().setup(trainer)
+        self._net = module.net
+        self._pipelined = PipelinedNet(self._net, self._plan, self.global_rank, self.world_size, self.schedule,
+                                       self.n_microbatches, module.loss_fn, trainer.accumulate_grad_batches)
+        module.net = self._pipelined
+
+    @override
+    def teardown(self) -> None:
+        """The module's own network back in its place."""
+        if self._net is not None and self.lightning_module is not None:
+            self.lightning_module.net = self._net
+        self._pipelined = None
+        super().teardown()
+
+    def _plan(self, x: Tensor) -> tuple[nn.Module, tuple[int, ...]]:
+        """At the first batch x (B, ...) of this process: check that the network is a chain of its blocks, fix the
+        cut (rank 0's measure under `auto`) and free the other stages' tensors; this stage's module and the
+        logits' shape after the batch dimension."""
+        if self._starts is None:
+            self._blocks = named_blocks(self._net)
+            example = x[: max(1, len(x) // self.n_microbatches)]
+            self._outputs = tuple(check_chain(self._net, self._blocks, example).shape[1:])
+            if self.cuts == "auto":
+                seconds = block_seconds(self._net, self._blocks, example) if self.global_rank == 0 else None
+                self._starts = self.broadcast(None if seconds is None else balanced_starts(seconds, self.world_size))
+            else:
+                self._starts = cut_starts(self._blocks, list(self.cuts), self.world_size)
+        if not self._freed:
+            self._free_other_stages()
+        return stage_module(self._blocks, self._starts, self.global_rank), self._outputs
+
+    def _stage_of_blocks(self) -> list[tuple[int, str, nn.Module]]:
+        """(stage, name, block) for every block, in forward order."""
+        bounds = [0, *self._starts, len(self._blocks)]
+        return [(stage, name, block) for stage, (a, b) in enumerate(zip(bounds, bounds[1:]))
+                for name, block in self._blocks[a:b]]
+
+    def _owner(self) -> dict[str, int]:
+        """Each state-dict key of the module under its network -> the stage (rank) that holds it."""
+        return {f"net.{name}.{key}": stage for stage, name, block in self._stage_of_blocks()
+                for key in block.state_dict()}
+
+    def _tensors(self) -> list[tuple[int, nn.Module, str, bool]]:
+        """(stage, module, name, is a parameter) of every parameter and buffer of the blocks, in one order on every
+        process."""
+        return [(stage, sub, name, is_param) for stage, _, block in self._stage_of_blocks() for sub in block.modules()
+                for is_param, table in ((True, sub._parameters), (False, sub._buffers))
+                for name, t in table.items() if t is not None]
+
+    def _free_other_stages(self) -> None:
+        """Drop this process's copies of the other stages' parameters, buffers and optimizer state (a resumed
+        checkpoint's): empty tensors in their place, their shapes kept for `_make_whole`. They never get a gradient
+        here, so the optimizer skips them."""
+        self._shapes = []
+        for stage, sub, name, is_param in self._tensors():
+            t = sub._parameters[name] if is_param else sub._buffers[name]
+            self._shapes.append(t.shape)
+            if stage == self.global_rank:
+                continue
+            empty = torch.empty(0, dtype=t.dtype, device=t.device)
+            if is_param:
+                for optimizer in self.optimizers:
+                    optimizer.state.pop(t, None)
+                t.data = empty
+            else:
+                sub._buffers[name] = empty
+        self._freed = True
+
+    def _make_whole(self) -> None:
+        """Every process takes the other stages' parameters and buffers back from them (a broadcast from each
+        stage), so that after a run the module is one device's on every process, as the launchers and the user's
+        code after `fit` read it."""
+        if not self._freed:
+            return
+        for (stage, sub, name, is_param), shape in zip(self._tensors(), self._shapes):
+            t = sub._parameters[name] if is_param else sub._buffers[name]
+            whole = t if stage == self.global_rank else torch.empty(shape, dtype=t.dtype, device=t.device)
+            dist.broadcast(whole, src=stage)
+            if stage != self.global_rank:
+                if is_param:
+                    t.data = whole
+                else:
+                    sub._buffers[name] = whole
+        self._freed = False
+
+    @override
+    def on_train_end(self) -> None:
+        self._make_whole()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._make_whole()
+
+    @override
+    def on_test_end(self) -> None:
+        self._make_whole()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._make_whole()
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's training_step, whose forward runs the schedule (forward and backward) against the batch's
+        targets; the loss it returns is for logging (detached).
+
+        The schedule's gradients are held apart until `backward`: Lightning zeroes the gradients between the
+        training step and the backward of the first batch of a step, and a skipped batch (None) gets no backward.
+        """
+        self._pipelined.target = args[0][1]
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]  # what earlier batches of an accumulated step left
+        for p in params:
+            p.grad = None
+        out = super().training_step(*args, **kwargs)
+        self._fresh = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+        return out
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's hooks around the backward that the schedule ran in `training_step`: its gradients are added
+        here, as a backward would add them."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, grad in self._fresh:
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._fresh = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ---- checkpoints in one device's format -----------------------------------------------------------------
+    def _gathered(self, mine: dict) -> dict:
+        """Every stage's `mine` merged on rank 0 ({} on the others); a collective over all processes."""
+        if not self.multi_process:
+            return mine
+        parts = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if self.global_rank != 0:
+            return {}
+        merged: dict = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """One device's state dict, on rank 0: each key from the stage that holds it."""
+        state = self.lightning_module.state_dict()
+        if not self._freed:
+            return state
+        owner = self._owner()
+        return self._gathered({k: v for k, v in state.items() if owner.get(k, 0) == self.global_rank})
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """One device's optimizer state, on rank 0: each parameter's state from the stage that holds it."""
+        state = optimizer.state_dict()
+        if self._starts is None:
+            return state
+        merged = self._gathered(dict(state["state"]))  # each process's is its stage's only
+        return {"state": merged, "param_groups": state["param_groups"]} if self.global_rank == 0 else {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """One device's state dict into this process: all of it before the cut, its stage's part after."""
+        module = self.lightning_module
+        if not self._freed:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        state, owner = checkpoint["state_dict"], self._owner()
+        missing = set(module.state_dict()) - set(state)
+        if strict and missing:
+            raise RuntimeError(f"the checkpoint lacks {len(missing)} of the model's keys, e.g. {sorted(missing)[0]}")
+        module.load_state_dict({k: v for k, v in state.items() if owner.get(k, self.global_rank) == self.global_rank},
+                               strict=False)
+
+
+def check_pipelinable(trainer: "pl.Trainer", module: Any, precision: Any, n_microbatches: int) -> None:
+    """Refuse what the pipeline cannot run, each in one message with what to do.
+
+    Raises:
+        RuntimeError: Manual optimization, gradient clipping (its norm would be one stage's), a model without
+            `net` and `loss_fn`, torch.compile, fp16 with a gradient scaler.
+        ValueError: `n_microbatches` that do not divide `data.batch_size`.
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if not isinstance(getattr(module, "net", None), nn.Module) or not callable(getattr(module, "loss_fn", None)):
+        raise RuntimeError(f"the pipeline strategy runs a LightningModule with a `net` (the network it cuts into "
+                           f"stages) and a `loss_fn`, as src.models.classifier.ImageClassifier has; "
+                           f"{type(module).__name__} lacks them")
+    if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+        raise RuntimeError("the pipeline strategy supports automatic optimization only: its schedule runs the "
+                           "backward pass. Set automatic_optimization=True.")
+    if trainer.gradient_clip_val:
+        raise RuntimeError("the pipeline strategy does not clip gradients: each stage holds only its own, and the "
+                           "norm is the whole model's; leave trainer.gradient_clip_val unset")
+    if getattr(module.hparams, "get", lambda *_: None)("compile"):
+        raise RuntimeError("the pipeline strategy runs the network's blocks itself; set model.init_args.compile: "
+                           "false")
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise RuntimeError("the pipeline strategy does not support fp16 with a gradient scaler (the schedule runs "
+                           "backward itself); use --trainer.precision bf16-mixed, 32-true or 64-true")
+    batch = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule is not None else None
+    if batch is not None and batch % n_microbatches:
+        raise ValueError(f"pipeline: {n_microbatches} micro-batches do not divide data.batch_size {batch}; set "
+                         f"--trainer.strategy.init_args.n_microbatches to a divisor of it, or data.batch_size to a "
+                         f"multiple of {n_microbatches}")
+
+
+# `trainer.strategy: pipeline` works once this module is imported
+StrategyRegistry.register(PipelineStrategy.strategy_name, PipelineStrategy, description="cut the network by layers "
+                          "into one stage per process, micro-batches flowing through them (torch's pipelining)")

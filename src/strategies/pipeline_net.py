@@ -1,0 +1,99 @@
+"""A network run as a pipeline: what `PipelineStrategy` puts in the LightningModule's place of `net` on every
+process, so that the module's own steps (its loss, metrics and logging) run unchanged.
+
+`PipelinedNet` holds the network's children under their own names, so the module's `state_dict` keys stay one
+device's. Its forward runs this process's stage under one of torch.distributed.pipelining's schedules: in training
+the schedule's forward and backward over the micro-batches (the gradients are in `.grad` when it returns); in
+evaluation its forward only. The last stage's logits reach every process (a broadcast of (B, classes)), so each
+computes the same loss and metrics as one device would.
+
+The schedule computes the loss of each micro-batch with the module's `loss_fn`, divided by the number of
+micro-batches and by Lightning's `accumulate_grad_batches`: with equal micro-batches of a mean-reduced loss the
+gradient is then one device's, and accumulation over batches works as Lightning's (which divides its loss the
+same way). torch's own division of the gradients after the step (`scale_grads`) would divide what earlier
+batches accumulated too, so it is off.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+#: our schedule names -> torch's (`torch.distributed.pipelining.schedules.get_schedule_class`)
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def microbatches_for(batch: int, wanted: int) -> int:
+    """The micro-batches a batch of `batch` samples is cut into: `wanted` when it divides the batch, else the largest
+    number below it that does (an epoch's last, smaller batch), so that every micro-batch has the same size."""
+    return max(m for m in range(1, min(wanted, batch) + 1) if batch % m == 0)
+
+
+class PipelinedNet(nn.Module):
+    """`net` run as a pipeline of one stage per process.
+
+    Args:
+        net: The LightningModule's network; its children are registered here under their own names.
+        plan: Called with the first batch x (B, ...) when no stage is known yet: returns this process's stage module
+            (`src.strategies.pipeline_stages.stage_module`) and the logits' shape after the batch dimension, e.g.
+            (10,).
+        stage_index: This process's stage, its rank. stages: The number of stages, the world size.
+        schedule: A key of `SCHEDULES`.
+        n_microbatches: Micro-batches per batch (fewer for a batch they do not divide: `microbatches_for`).
+        loss_fn: The module's loss, (logits (b, C), targets (b,)) -> a mean over the b samples.
+        accumulate: Lightning's `accumulate_grad_batches`.
+    """
+
+    def __init__(self, net: nn.Module, plan: Callable[[Tensor], tuple[nn.Module, tuple[int, ...]]], stage_index: int,
+                 stages: int, schedule: str, n_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor],
+                 accumulate: int) -> None:
+        super().__init__()
+        for name, child in net.named_children():
+            self.add_module(name, child)
+        self.__dict__["_plan"] = plan
+        self.__dict__["_stage"] = None  # not registered: its blocks are the children's, under their names
+        self.outputs: tuple[int, ...] = ()
+        self.stage_index, self.stages = stage_index, stages
+        self.schedule_class = get_schedule_class(SCHEDULES[schedule])
+        self.n_microbatches, self.loss_fn, self.accumulate = n_microbatches, loss_fn, accumulate
+        self.target: Tensor | None = None  # the training batch's targets, set by the strategy before each step
+        self._schedules: dict[tuple[int, bool], Any] = {}  # (batch size, training) -> its schedule
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.stages - 1
+
+    def _schedule(self, batch: int, training: bool, device: torch.device) -> Any:
+        """The schedule for batches of `batch` samples: torch's stages fix their buffers' shapes at their first step,
+        so each batch size (an epoch's last batch, evaluation's) gets stages of its own over the same blocks."""
+        key = (batch, training)
+        if key not in self._schedules:
+            m = microbatches_for(batch, self.n_microbatches)
+            stage = PipelineStage(self._stage, self.stage_index, self.stages, device)
+            loss = (lambda out, y, scale=m * self.accumulate: self.loss_fn(out, y) / scale) if training else None
+            self._schedules[key] = self.schedule_class(stage, n_microbatches=m, loss_fn=loss, scale_grads=False)
+        return self._schedules[key]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (B, ...) the batch (every process gets the same) -> logits (B, *outputs) on every process, detached
+        (in training the schedule has run backward already)."""
+        if self._stage is None:
+            self.__dict__["_stage"], self.outputs = self._plan(x)
+        training = self.training and torch.is_grad_enabled()
+        schedule = self._schedule(len(x), training, x.device)
+        run = schedule.step if training else schedule.eval
+        kwargs: dict[str, Any] = {"target": self.target, "losses": []} if training and self.is_last else {}
+        out = run(x, **kwargs) if self.is_first else run(**kwargs)
+        # in the input's dtype on every process (under autocast the last stage's logits may be lower)
+        logits = out.detach().to(x.dtype) if self.is_last else torch.empty((len(x), *self.outputs), dtype=x.dtype,
+                                                               device=x.device)
+        dist.broadcast(logits, src=self.stages - 1)
+        return logits

@@ -1,0 +1,143 @@
+"""Pipeline parallelism (`PipelineStrategy`, configs/strategy/pipeline_cpu.yaml): the cut, the schedules exact
+against one device in float64, checkpoints in one device's format both ways, and the refusals."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from src.cli import main
+from src.models.lenet import LeNet
+from src.models.resnet import ResNet18
+from src.strategies import PipelineStrategy, ProcessStart
+from src.strategies.pipeline_net import microbatches_for
+from src.strategies.pipeline_stages import balanced_starts, check_chain, cut_starts, named_blocks, stage_names
+from tests.helpers import cli_args
+from tests.helpers.runs import START_METHOD, fit, max_param_diff, seeded_model, stop_then_resume
+
+# the shipped recipe's optimizer and schedule: momentum 0.9 (fit's default), weight decay, warm-up then cosine
+RECIPE = {"weight_decay": 5e-4, "scheduler": "cosine", "warmup_epochs": 0.5}
+STEPS, BATCH = 20, 24
+
+
+def _pipeline(**kwargs) -> PipelineStrategy:
+    return PipelineStrategy(**{"cuts": ["classifier"], "processes": ProcessStart("gloo", start_method=START_METHOD),
+                               **kwargs})
+
+
+def test_the_blocks_are_the_networks_children_with_sequentials_opened():
+    lenet = [n for n, _ in named_blocks(LeNet())]
+    assert lenet == [*(f"features.{i}" for i in range(6)), *(f"classifier.{i}" for i in range(4))]
+    resnet = [n for n, _ in named_blocks(ResNet18())]
+    assert resnet[:3] == ["stem.0", "stem.1", "stem.2"] and resnet[-3:] == ["head.0", "head.1", "head.2"]
+    assert [n for n in resnet if n.startswith("stages.")] == [f"stages.{s}.{b}" for s in range(4) for b in range(2)]
+    blocks = named_blocks(LeNet())
+    assert stage_names(blocks, cut_starts(blocks, ["classifier"], 2)) == ["features.0-features.5",
+                                                                         "classifier.0-classifier.3"]
+
+
+@pytest.mark.parametrize("cuts, stages, message", [
+    (["classifer"], 2, "pipeline cut 'classifer' names no block of the network; a stage can begin at features.1"),
+    (["classifier"], 3, "1 cut make 2 stages, but there are 3 processes"),
+    (["classifier", "features.3"], 3, "must name blocks in forward order"),
+    (["features.0"], 2, "must name blocks in forward order, after the first block"),
+])
+def test_cuts_that_do_not_fit_are_refused(cuts, stages, message):
+    with pytest.raises(ValueError, match=message):
+        cut_starts(named_blocks(LeNet()), cuts, stages)
+
+
+def test_the_balanced_cut_makes_the_slowest_stage_fastest():
+    assert balanced_starts([1, 1, 1, 1], 2) == [2]
+    assert balanced_starts([5, 1, 1, 1, 1, 1], 2) == [1]  # 5 | 5
+    assert balanced_starts([1, 2, 3, 4, 5, 6], 3) == [3, 5]  # 6 | 9 | 6: no cut has a slower stage under 9
+    with pytest.raises(ValueError, match="fewer than the 3 stages"):
+        balanced_starts([1.0, 2.0], 3)
+
+
+def test_micro_batches_divide_every_batch():
+    assert microbatches_for(24, 4) == 4 and microbatches_for(10, 4) == 2 and microbatches_for(7, 4) == 1
+    assert microbatches_for(3, 4) == 3
+
+
+def test_a_network_that_is_not_a_chain_of_its_children_is_refused():
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)) + x
+
+    with pytest.raises(ValueError, match="its forward is not those blocks applied in order"):
+        check_chain(Skip(), named_blocks(Skip()), torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(schedule="zbv"), "pipeline schedule 'zbv' is not one this strategy runs; choose one of gpipe, 1f1b"),
+    (dict(n_microbatches=0), "n_microbatches must be an integer of at least 1"),
+])
+def test_bad_options_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineStrategy(**kwargs)
+
+
+def _refused(args: list[str], capsys) -> str:
+    from src.cli import run
+
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: ")
+    return err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--data.batch_size", "30"], "4 micro-batches do not divide data.batch_size 30"),
+    (["--trainer.gradient_clip_val", "1.0"], "the pipeline strategy does not clip gradients"),
+    (["--model.init_args.compile", "true"], "set model.init_args.compile: false"),
+])
+def test_what_the_pipeline_cannot_run_is_refused_before_training(extra, message, fast_args, capsys):
+    err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
+                    *fast_args, "--trainer.devices", "1", *extra], capsys)
+    assert message in err, err
+
+
+@pytest.mark.slow  # 2 processes per schedule
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_lenet_in_two_stages_equals_one_device(tiny_data_dir, schedule):
+    """20 steps in float64 with momentum, weight decay and warm-up then cosine: the pipeline ends where one device
+    does (1e-9), and both moved far from the start (the control)."""
+    one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
+    piped, _, _ = fit(tiny_data_dir, _pipeline(schedule=schedule), devices=2, steps=STEPS, batch_size=BATCH,
+                      model_kwargs=RECIPE)
+    moved = max_param_diff(one, seeded_model(model_kwargs=RECIPE))
+    print(f"pipeline {schedule}, LeNet, 2 stages x 4 micro-batches: {max_param_diff(one, piped):.3g} from one device "
+          f"after {STEPS} steps, which moved {moved:.3g}")
+    assert max_param_diff(one, piped) <= 1e-9 and moved > 0.1
+
+
+@pytest.mark.slow  # 2 processes in each direction
+@pytest.mark.parametrize("first, then", [("pipeline", "single"), ("single", "pipeline")])
+def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, then):
+    """Epoch 1 of 2 under `first`, its last.ckpt resumed under `then`: the checkpoint has one device's keys, shapes
+    and optimizer state, and the resumed run ends where one device's uninterrupted run does."""
+    makers = {"pipeline": lambda: (_pipeline(), 2), "single": lambda: ("auto", 1)}
+    reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, makers[first](), makers[then]())
+    assert ckpt["epoch"] == 0 and ckpt["state_dict"].keys() == reference.state_dict().keys()
+    assert all(v.shape == reference.state_dict()[k].shape for k, v in ckpt["state_dict"].items())
+    assert len(ckpt["optimizer_states"][0]["state"]) == len(list(reference.parameters()))  # every momentum buffer
+    print(f"{first} -> {then}: {max_param_diff(resumed, reference):.3g} from one device")
+    assert max_param_diff(resumed, reference) <= 1e-9 and max_param_diff(reference, seeded_model()) > 0.1
+
+
+@pytest.mark.slow  # 2 processes through the CLI
+def test_the_cli_trains_tests_and_names_the_way(tiny_data_dir, tmp_path, caplog, capfd):
+    with caplog.at_level(logging.INFO):
+        main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
+              *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"),
+              "--trainer.strategy.init_args.processes.start_method", START_METHOD, "--test_after_fit", "true"])
+    out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
+    assert "pipeline: 2 processes x 1 replica on cpu" in out and "GPipe, 4 micro-batches" in out, out
+    assert "test acc " in out
+    assert (tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0").is_dir()
