@@ -131,13 +131,41 @@ def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, t
     assert max_param_diff(resumed, reference) <= 1e-9 and max_param_diff(reference, seeded_model()) > 0.1
 
 
-@pytest.mark.slow  # 2 processes through the CLI
-def test_the_cli_trains_tests_and_names_the_way(tiny_data_dir, tmp_path, caplog, capfd):
+@pytest.mark.slow  # 2 processes through the CLI, three times
+def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path, caplog, capfd):
+    overlay = ["--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
+               "--trainer.strategy.init_args.processes.start_method", START_METHOD]
     with caplog.at_level(logging.INFO):
-        main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
-              *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"),
-              "--trainer.strategy.init_args.processes.start_method", START_METHOD, "--test_after_fit", "true"])
+        main(["fit", *overlay, *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
     assert "pipeline: 2 processes x 1 replica on cpu" in out and "GPipe, 4 micro-batches" in out, out
     assert "test acc " in out
-    assert (tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0").is_dir()
+    run = tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0"
+    last = str(run / "checkpoints" / "last.ckpt")
+    main(["validate", *overlay, *cli_args.data_args(tiny_data_dir), "--ckpt_path", last,
+          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
+    main(["predict", *overlay, *cli_args.data_args(tiny_data_dir), "--ckpt_path", last,
+          "--trainer.default_root_dir", str(tmp_path / "predict")])
+    [written] = (tmp_path / "predict").rglob("predictions_*.csv")
+    assert len(written.read_text().splitlines()) == 1 + 200  # every test image once, though both stages predicted
+
+
+@pytest.mark.slow  # 2 processes, ResNet-18 for 20 steps (about 60 s on 2 cores)
+def test_resnet18_in_two_stages_equals_one_device_accumulating_the_same_micro_batches(tiny_data_dir):
+    """With BatchNorm each micro-batch is normalised by its own statistics, so the pipeline is one device that
+    accumulates the gradients of the same micro-batches (batch 4, 4 batches a step), running statistics included.
+    The control: after one step that one device is already apart from one device on the whole batch of 16."""
+    from src.models.classifier import ResNet18Classifier
+
+    common = dict(model_cls=ResNet18Classifier, model_kwargs=RECIPE)
+    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=4, accumulate_grad_batches=4, **common)
+    piped, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"]), devices=2, steps=STEPS, batch_size=16, **common)
+    states = accumulated.state_dict(), piped.state_dict()
+    off = max((states[0][k] - states[1][k]).abs().max().item() for k in states[0] if states[0][k].is_floating_point())
+    one_step = [fit(tiny_data_dir, steps=1, batch_size=b, accumulate_grad_batches=16 // b, **common)[0]
+                for b in (4, 16)]
+    print(f"pipeline, ResNet-18, 2 stages x 4 micro-batches: {off:.3g} from one device accumulating them "
+          f"(running statistics included); one step on micro-batches against the whole batch: "
+          f"{max_param_diff(*one_step):.3g}")
+    assert off <= 1e-9 and max_param_diff(*one_step) > 1e-6
+    assert max_param_diff(accumulated, seeded_model(ResNet18Classifier, RECIPE)) > 0.1

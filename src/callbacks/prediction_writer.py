@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from src.data.fashion_mnist import CLASSES
+from src.layout import parallel_layout
 
 # Lightning's predict loop looks for batch indices in a DataLoader's sampler; our batches carry their own
 warnings.filterwarnings("ignore", message="Couldn't infer the batch indices fetched from your dataloader")
@@ -66,10 +67,12 @@ class PredictionWriter(BasePredictionWriter):
         self._writer.writerow(COLUMNS if self._names is not None else (*COLUMNS, "true"))
 
     def _gather(self, trainer: pl.Trainer, tensors: list[Tensor]) -> list[Tensor]:
-        """Under several processes: every rank's part of the batch, concatenated in rank order (= batch order)."""
+        """Under several processes: every rank's part of the batch, concatenated in rank order (= batch order); of
+        the processes that hold one model between them (pipeline stages, which all see the same part), the first's."""
         if trainer.world_size == 1:
             return tensors
         strategy = trainer.strategy
+        group = parallel_layout(strategy).model_parallel
         n = torch.tensor([len(tensors[0])], device=tensors[0].device)
         counts = strategy.all_gather(n).reshape(-1).tolist()  # ranks' parts may differ by one sample
         most = max(counts)
@@ -78,7 +81,7 @@ class PredictionWriter(BasePredictionWriter):
             padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
             padded[: len(t)] = t
             gathered = strategy.all_gather(padded)  # (world_size, most, ...)
-            out.append(torch.cat([gathered[r, :c] for r, c in enumerate(counts)]))
+            out.append(torch.cat([gathered[r, :c] for r, c in enumerate(counts) if r % group == 0]))
         return out
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,

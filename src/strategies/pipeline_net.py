@@ -54,46 +54,40 @@ class PipelinedNet(nn.Module):
         super().__init__()
         for name, child in net.named_children():
             self.add_module(name, child)
+        # settings under private names: a public one could be a child's name (ResNet-18 has `stages`)
         self.__dict__["_plan"] = plan
         self.__dict__["_stage"] = None  # not registered: its blocks are the children's, under their names
-        self.outputs: tuple[int, ...] = ()
-        self.stage_index, self.stages = stage_index, stages
-        self.schedule_class = get_schedule_class(SCHEDULES[schedule])
-        self.n_microbatches, self.loss_fn, self.accumulate = n_microbatches, loss_fn, accumulate
+        self._outputs: tuple[int, ...] = ()
+        self._rank, self._stages = stage_index, stages
+        self._schedule_class = get_schedule_class(SCHEDULES[schedule])
+        self._n_microbatches, self._loss_fn, self._accumulate = n_microbatches, loss_fn, accumulate
         self.target: Tensor | None = None  # the training batch's targets, set by the strategy before each step
         self._schedules: dict[tuple[int, bool], Any] = {}  # (batch size, training) -> its schedule
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.stages - 1
 
     def _schedule(self, batch: int, training: bool, device: torch.device) -> Any:
         """The schedule for batches of `batch` samples: torch's stages fix their buffers' shapes at their first step,
         so each batch size (an epoch's last batch, evaluation's) gets stages of its own over the same blocks."""
         key = (batch, training)
         if key not in self._schedules:
-            m = microbatches_for(batch, self.n_microbatches)
-            stage = PipelineStage(self._stage, self.stage_index, self.stages, device)
-            loss = (lambda out, y, scale=m * self.accumulate: self.loss_fn(out, y) / scale) if training else None
-            self._schedules[key] = self.schedule_class(stage, n_microbatches=m, loss_fn=loss, scale_grads=False)
+            m = microbatches_for(batch, self._n_microbatches)
+            stage = PipelineStage(self._stage, self._rank, self._stages, device)
+            loss = (lambda out, y, scale=m * self._accumulate: self._loss_fn(out, y) / scale) if training else None
+            self._schedules[key] = self._schedule_class(stage, n_microbatches=m, loss_fn=loss, scale_grads=False)
         return self._schedules[key]
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (B, ...) the batch (every process gets the same) -> logits (B, *outputs) on every process, detached
         (in training the schedule has run backward already)."""
         if self._stage is None:
-            self.__dict__["_stage"], self.outputs = self._plan(x)
+            self.__dict__["_stage"], self._outputs = self._plan(x)
         training = self.training and torch.is_grad_enabled()
         schedule = self._schedule(len(x), training, x.device)
         run = schedule.step if training else schedule.eval
-        kwargs: dict[str, Any] = {"target": self.target, "losses": []} if training and self.is_last else {}
-        out = run(x, **kwargs) if self.is_first else run(**kwargs)
+        first, last = self._rank == 0, self._rank == self._stages - 1
+        kwargs: dict[str, Any] = {"target": self.target, "losses": []} if training and last else {}
+        out = run(x, **kwargs) if first else run(**kwargs)
         # in the input's dtype on every process (under autocast the last stage's logits may be lower)
-        logits = out.detach().to(x.dtype) if self.is_last else torch.empty((len(x), *self.outputs), dtype=x.dtype,
-                                                               device=x.device)
-        dist.broadcast(logits, src=self.stages - 1)
+        logits = out.detach().to(x.dtype) if last else torch.empty((len(x), *self._outputs), dtype=x.dtype,
+                                                                    device=x.device)
+        dist.broadcast(logits, src=self._stages - 1)
         return logits
