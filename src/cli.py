@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 import src.strategies.ddp_compression  # noqa: F401  registers `ddp_bf16`, `ddp_powersgd` likewise
 import src.strategies.pipeline  # noqa: F401  registers `pipeline` likewise
+import src.strategies.tensor_parallel  # noqa: F401  registers `tensor_parallel` likewise
 import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce` before any Trainer is built
 from src.callbacks import EpochReport, HParamsMetrics, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule

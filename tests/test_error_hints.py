@@ -64,7 +64,7 @@ def _cli_keys() -> set[str]:
     from src.cli import main
     from src.models.classifier import ImageClassifier, LeNetClassifier, ResNet18Classifier
     from src.run.logger import RunLogger
-    from src.strategies import CompressedDDPStrategy, PipelineStrategy, SplitAllreduceStrategy
+    from src.strategies import CompressedDDPStrategy, PipelineStrategy, SplitAllreduceStrategy, TensorParallelStrategy
     from src.strategies.fsdp import CPUFSDPStrategy
 
     out = io.StringIO()
@@ -73,7 +73,8 @@ def _cli_keys() -> set[str]:
     keys = set(re.findall(r"--([\w.]+)", out.getvalue()))
     keys |= {f"trainer.{p}" for p in _parameters(pl.Trainer)}
     keys |= {f"trainer.strategy.init_args.{p}" for p in _parameters(SplitAllreduceStrategy, CompressedDDPStrategy,
-                                                                          PipelineStrategy, CPUFSDPStrategy)}
+                                                                          PipelineStrategy, TensorParallelStrategy,
+                                                                          CPUFSDPStrategy)}
     keys |= {f"trainer.logger.init_args.{p}" for p in _parameters(RunLogger)}
     keys |= {f"model.init_args.{p}" for p in _parameters(ImageClassifier, LeNetClassifier, ResNet18Classifier)}
     return keys | {"model.class_path", "trainer.strategy.class_path", "trainer.logger.class_path"}

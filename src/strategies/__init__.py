@@ -6,7 +6,8 @@ are imported (`split_allreduce`; `ddp_bf16`, `ddp_powersgd`). Their option group
 `ProcessStart` (ours), are loaded the same way.
 """
 
-__all__ = ["CompressedDDPStrategy", "CompressionSpec", "PipelineStrategy", "ProcessStart", "SplitAllreduceStrategy"]
+__all__ = ["CompressedDDPStrategy", "CompressionSpec", "PipelineStrategy", "ProcessStart", "SplitAllreduceStrategy",
+           "TensorParallelStrategy"]
 
 
 def __getattr__(name: str):
@@ -22,6 +23,10 @@ def __getattr__(name: str):
         from src.strategies.pipeline import PipelineStrategy
 
         return PipelineStrategy
+    if name == "TensorParallelStrategy":  # configs/strategy/tensor_parallel_cpu.yaml
+        from src.strategies.tensor_parallel import TensorParallelStrategy
+
+        return TensorParallelStrategy
     if name == "CompressionSpec":  # `compression: {kind: ..., rank: ...}` of both
         from src.strategies.comm.compression import CompressionSpec
 

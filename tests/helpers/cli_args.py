@@ -41,9 +41,9 @@ RESUMABLE_FLOAT64 = ["--trainer.precision", "64-true", "--test_after_fit", "fals
 
 def process_option(overlay_args: str | list[str], name: str) -> str:
     """The CLI flag of the process setting `name` ("start_method", "timeout", "backend") for the strategy the overlay
-    names: ours (split_allreduce, pipeline) group the three under `processes`, Lightning's DDP takes them flat
-    (`process_group_backend` for the backend)."""
+    names: ours (split_allreduce, pipeline, tensor_parallel) group the three under `processes`, Lightning's DDP
+    takes them flat (`process_group_backend` for the backend)."""
     text = overlay_args if isinstance(overlay_args, str) else " ".join(overlay_args)
-    if "split_allreduce" in text or "pipeline" in text:  # ours: the group
+    if any(name in text for name in ("split_allreduce", "pipeline", "tensor_parallel")):  # ours: the group
         return f"--trainer.strategy.init_args.processes.{name}"
     return f"--trainer.strategy.init_args.{'process_group_backend' if name == 'backend' else name}"

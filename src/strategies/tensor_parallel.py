@@ -1,0 +1,173 @@
+"""Tensor parallelism by config: every split layer's channels or units shared among P processes, on DTensor.
+
+Each process holds its share of the split layers' parameters (`src.strategies.tensor_plans`) and sees the whole
+global batch; the layers' forward and backward exchange what the split needs (one allreduce per pair of split
+convs or dense layers), and each process's optimizer updates its shares. A checkpoint is one device's: the shares
+gathered whole (`DTensor.full_tensor`), so a one-device run resumes it and this strategy resumes one device's.
+
+Why a strategy of our own: Lightning's `ModelParallelStrategy` runs DTensor too, but it refuses
+`precision: 64-true` (an `isinstance` check on the strategy, so a subclass does not escape it), and the exactness
+checks against one device run in float64. This one takes every precision the Trainer offers.
+"""
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from typing_extensions import override
+
+from src.layout import ParallelLayout
+from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
+from src.strategies.tensor_plans import apply_plan
+
+
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class TensorParallelStrategy(ProcessesParallelStrategy):
+    """The LightningModule's `net` split within its layers over P processes (`trainer.devices` x
+    `trainer.num_nodes`), by the plan for its class (`src.strategies.tensor_plans.PLANS`).
+
+    Args:
+        processes: How the processes start and wait for each other (`ProcessStart`).
+
+    Raises:
+        RuntimeError: At setup, a model without `net`, manual optimization, torch.compile, gradient clipping.
+        ValueError: At setup, a network without a plan, or channels or units that P does not divide.
+    """
+
+    strategy_name = "tensor_parallel"
+
+    def __init__(self, processes: ProcessStart = ProcessStart()) -> None:
+        super().__init__(processes)
+        self._mesh: DeviceMesh | None = None
+        self._split: list[tuple[nn.Module, set, set]] = []  # (module, hooks the plan added: pre, post) while split
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        devices = self.parallel_devices
+        return devices[self.local_rank] if devices else torch.device("cpu")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process sees the whole global batch."""
+        return {"num_replicas": 1, "rank": 0}
+
+    def parallel_layout(self) -> ParallelLayout:
+        """P processes holding one model between them, each a share of every split layer."""
+        p = self.world_size
+        return ParallelLayout("tensor_parallel", p, 1, (self.root_device,),
+                              tuple(self.parallel_devices or [self.root_device]), "none",
+                              self.process_group_backend if p > 1 else None, model_parallel=p,
+                              model_split=f"split layers in {p} shares (channels and units)", split_tag="tp")
+
+    # ---- setup and the split ---------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        module = trainer.lightning_module
+        if not isinstance(getattr(module, "net", None), nn.Module):
+            raise RuntimeError(f"tensor parallelism splits the LightningModule's `net`, as "
+                               f"src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise RuntimeError("tensor parallelism supports automatic optimization only; set "
+                               "automatic_optimization=True")
+        if getattr(module.hparams, "get", lambda *_: None)("compile"):
+            raise RuntimeError("tensor parallelism runs the split layers' shards itself; set "
+                               "model.init_args.compile: false")
+        if trainer.gradient_clip_val:
+            raise RuntimeError("tensor parallelism does not clip gradients (the norm would be over shards); leave "
+                               "trainer.gradient_clip_val unset")
+        super().setup(trainer)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Split the network by its plan, after the precision's dtype and the device and before the optimizer is
+        made (it then holds the shares)."""
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        net = model.net
+        before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in net.modules()}
+        apply_plan(net, self._mesh)
+        self._split = [(m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)
+                       for m, (pre, post) in before.items()]
+        return model
+
+    def _make_whole(self) -> None:
+        """Every split layer whole again on every process (parameters, buffers, its own forward), so that after a
+        run the module is one device's, as the launchers and the user's code after `fit` read it."""
+        for module, pre, post in self._split:
+            for name, p in list(module._parameters.items()):
+                if isinstance(p, DTensor):
+                    setattr(module, name, nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad))
+            for name, b in list(module._buffers.items()):
+                if isinstance(b, DTensor):
+                    module._buffers[name] = b.full_tensor()
+            module.__dict__.pop("forward", None)  # the plan's forward, put on the instance
+            module.__dict__.pop("_distribute_module_applied", None)  # torch's mark: a later stage splits it again
+            for key in pre:
+                module._forward_pre_hooks.pop(key, None)
+            for key in post:
+                module._forward_hooks.pop(key, None)
+        self._split = []
+
+    @override
+    def on_train_end(self) -> None:
+        self._make_whole()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._make_whole()
+
+    @override
+    def on_test_end(self) -> None:
+        self._make_whole()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._make_whole()
+
+    # ---- checkpoints in one device's format -------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """One device's state dict: every share gathered whole (a collective: all processes run it)."""
+        return {k: _whole(v) for k, v in self.lightning_module.state_dict().items()}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """One device's optimizer state: every share of it gathered whole."""
+        state = optimizer.state_dict()
+        return {"state": {i: {k: _whole(v) for k, v in s.items()} for i, s in state["state"].items()},
+                "param_groups": state["param_groups"]}
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """One device's state dict into the split module: each process takes its shares."""
+        own = self.lightning_module.state_dict()
+        state = {k: distribute_tensor(v, own[k].device_mesh, own[k].placements) if isinstance(own.get(k), DTensor)
+                 else v for k, v in checkpoint["state_dict"].items()}
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """One device's optimizer state into the optimizer over the shares: each process takes its shares."""
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            state = {i: {k: distribute_tensor(v, params[i].device_mesh, params[i].placements)
+                         if isinstance(params[i], DTensor) and torch.is_tensor(v) and v.shape == params[i].shape
+                         else v for k, v in s.items()} for i, s in saved["state"].items()}
+            optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+# `trainer.strategy: tensor_parallel` works once this module is imported
+StrategyRegistry.register(TensorParallelStrategy.strategy_name, TensorParallelStrategy, description="split every "
+                          "planned layer's channels or units over the processes (DTensor)")

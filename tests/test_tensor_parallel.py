@@ -1,0 +1,68 @@
+"""Tensor parallelism (`TensorParallelStrategy`, configs/strategy/tensor_parallel_cpu.yaml): the plans split what
+they say, both networks train exactly as one device in float64, checkpoints are one device's both ways, and what
+cannot be split is refused."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from src.models.classifier import ResNet18Classifier
+from src.strategies import ProcessStart, TensorParallelStrategy
+from src.strategies.tensor_plans import apply_plan, check_divisible
+from tests.helpers.runs import fit, max_param_diff, seeded_model, stop_then_resume
+
+# the shipped recipe's optimizer and schedule: momentum 0.9 (fit's default), weight decay, warm-up then cosine
+RECIPE = {"weight_decay": 5e-4, "scheduler": "cosine", "warmup_epochs": 0.5}
+STEPS, BATCH = 20, 24
+
+
+def _tp() -> TensorParallelStrategy:
+    # spawned: forked workers may abort in torch's thread pool under DTensor (docs/three-ways.md)
+    return TensorParallelStrategy(processes=ProcessStart("gloo", start_method="spawn"))
+
+
+def test_a_network_without_a_plan_and_shares_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="tensor parallelism has plans for LeNet, ResNet18 .* not for Sequential"):
+        apply_plan(nn.Sequential(nn.Linear(2, 2)), mesh=None)
+    with pytest.raises(ValueError, match=r"splits the output channels of conv1 \(20\) into 3 equal shares, and 20 "
+                                         "is not divisible by 3; use a number of processes"):
+        check_divisible("the output channels of conv1", 20, 3)
+
+
+@pytest.mark.slow  # 2 spawned processes per network
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+def test_both_networks_split_within_layers_equal_one_device(tiny_data_dir, tmp_path, model):
+    """20 steps in float64 with momentum, weight decay and warm-up then cosine: the parameters end where one
+    device's do (1e-9), and BatchNorm's running statistics too (1e-9 of their size: a running variance is a sum of
+    squares, some above 10), far from where they started (the control)."""
+    from src.models.classifier import LeNetClassifier
+
+    cls = {"lenet": LeNetClassifier, "resnet18": ResNet18Classifier}[model]
+    one, _, _ = fit(tiny_data_dir, model_cls=cls, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
+    split, _, _ = fit(tiny_data_dir, _tp(), model_cls=cls, devices=2, steps=STEPS, batch_size=BATCH,
+                      model_kwargs=RECIPE)
+    off, moved = max_param_diff(one, split), max_param_diff(one, seeded_model(cls, RECIPE))
+    buffers = dict(one.named_buffers()), dict(split.named_buffers())
+    relative = max(((buffers[0][k] - buffers[1][k]).abs() / buffers[0][k].abs().clamp(min=1)).max().item()
+                   for k in buffers[0] if buffers[0][k].is_floating_point()) if buffers[0] else 0.0
+    print(f"tensor parallel, {model}, 2 processes: parameters {off:.3g} from one device after {STEPS} steps, which "
+          f"moved {moved:.3g}; running statistics {relative:.3g} of their size")
+    assert off <= 1e-9 and relative <= 1e-9 and moved > 0.1
+    assert not any(isinstance(p, DTensor) for p in split.parameters())  # whole again after the run
+
+
+@pytest.mark.slow  # 2 spawned processes in each direction
+@pytest.mark.parametrize("first, then", [("tensor_parallel", "single"), ("single", "tensor_parallel")])
+def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, then):
+    makers = {"tensor_parallel": lambda: (_tp(), 2), "single": lambda: ("auto", 1)}
+    reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, makers[first](), makers[then]())
+    assert ckpt["epoch"] == 0 and ckpt["state_dict"].keys() == reference.state_dict().keys()
+    assert all(v.shape == reference.state_dict()[k].shape and not isinstance(v, DTensor)
+               for k, v in ckpt["state_dict"].items())
+    momentum = [s["momentum_buffer"] for s in ckpt["optimizer_states"][0]["state"].values()]
+    # whole, one per parameter (in the order of the optimizer's param groups: weights, then the undecayed)
+    assert sorted(tuple(m.shape) for m in momentum) == sorted(tuple(p.shape) for p in reference.parameters())
+    print(f"{first} -> {then}: {max_param_diff(resumed, reference):.3g} from one device")
+    assert max_param_diff(resumed, reference) <= 1e-9 and max_param_diff(reference, seeded_model()) > 0.1
+    assert torch.is_tensor(momentum[0])
