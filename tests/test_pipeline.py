@@ -39,7 +39,7 @@ def test_the_blocks_are_the_networks_children_with_sequentials_opened():
 
 @pytest.mark.parametrize("cuts, stages, message", [
     (["classifer"], 2, "pipeline cut 'classifer' names no block of the network; a stage can begin at features.1"),
-    (["classifier"], 3, "1 cut make 2 stages, but there are 3 processes"),
+    (["classifier"], 3, "1 cut make 2 stages, but there are 3 processes .* 1 stage each under this schedule"),
     (["classifier", "features.3"], 3, "must name blocks in forward order"),
     (["features.0"], 2, "must name blocks in forward order, after the first block"),
 ])
@@ -75,7 +75,8 @@ def test_a_network_that_is_not_a_chain_of_its_children_is_refused():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(schedule="zbv"), "pipeline schedule 'zbv' is not one this strategy runs; choose one of gpipe, 1f1b"),
+    (dict(schedule="zbv"), "pipeline schedule 'zbv' is not one this strategy runs; choose one of gpipe, 1f1b, "
+                           "interleaved_1f1b, interleaved_zero_bubble"),
     (dict(n_microbatches=0), "n_microbatches must be an integer of at least 1"),
 ])
 def test_bad_options_are_refused_at_construction(kwargs, message):
@@ -103,26 +104,34 @@ def test_what_the_pipeline_cannot_run_is_refused_before_training(extra, message,
     assert message in err, err
 
 
+# the interleaved schedules run 4 stages on the 2 processes, 2 on each
+FOUR = ["features.3", "classifier", "classifier.2"]
+CUTS = {"gpipe": ["classifier"], "1f1b": ["classifier"], "interleaved_1f1b": FOUR, "interleaved_zero_bubble": FOUR}
+
+
 @pytest.mark.slow  # 2 processes per schedule
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_lenet_in_two_stages_equals_one_device(tiny_data_dir, schedule):
+@pytest.mark.parametrize("schedule", list(CUTS))
+def test_lenet_in_stages_equals_one_device_under_every_schedule(tiny_data_dir, schedule):
     """20 steps in float64 with momentum, weight decay and warm-up then cosine: the pipeline ends where one device
     does (1e-9), and both moved far from the start (the control)."""
     one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
-    piped, _, _ = fit(tiny_data_dir, _pipeline(schedule=schedule), devices=2, steps=STEPS, batch_size=BATCH,
-                      model_kwargs=RECIPE)
+    piped, _, _ = fit(tiny_data_dir, _pipeline(schedule=schedule, cuts=CUTS[schedule]), devices=2, steps=STEPS,
+                      batch_size=BATCH, model_kwargs=RECIPE)
     moved = max_param_diff(one, seeded_model(model_kwargs=RECIPE))
-    print(f"pipeline {schedule}, LeNet, 2 stages x 4 micro-batches: {max_param_diff(one, piped):.3g} from one device "
+    print(f"pipeline {schedule}, LeNet, {len(CUTS[schedule]) + 1} stages x 4 micro-batches: "
+          f"{max_param_diff(one, piped):.3g} from one device "
           f"after {STEPS} steps, which moved {moved:.3g}")
     assert max_param_diff(one, piped) <= 1e-9 and moved > 0.1
 
 
-@pytest.mark.slow  # 2 processes in each direction
-@pytest.mark.parametrize("first, then", [("pipeline", "single"), ("single", "pipeline")])
+@pytest.mark.slow  # 2 processes in each direction (2 stages on each under the interleaved schedule)
+@pytest.mark.parametrize("first, then", [("pipeline", "single"), ("single", "pipeline"),
+                                         ("pipeline interleaved", "single")])
 def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, then):
     """Epoch 1 of 2 under `first`, its last.ckpt resumed under `then`: the checkpoint has one device's keys, shapes
     and optimizer state, and the resumed run ends where one device's uninterrupted run does."""
-    makers = {"pipeline": lambda: (_pipeline(), 2), "single": lambda: ("auto", 1)}
+    makers = {"pipeline": lambda: (_pipeline(), 2), "single": lambda: ("auto", 1),
+              "pipeline interleaved": lambda: (_pipeline(schedule="interleaved_1f1b", cuts=FOUR), 2)}
     reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, makers[first](), makers[then]())
     assert ckpt["epoch"] == 0 and ckpt["state_dict"].keys() == reference.state_dict().keys()
     assert all(v.shape == reference.state_dict()[k].shape for k, v in ckpt["state_dict"].items())
@@ -169,3 +178,15 @@ def test_resnet18_in_two_stages_equals_one_device_accumulating_the_same_micro_ba
           f"{max_param_diff(*one_step):.3g}")
     assert off <= 1e-9 and max_param_diff(*one_step) > 1e-6
     assert max_param_diff(accumulated, seeded_model(ResNet18Classifier, RECIPE)) > 0.1
+
+
+@pytest.mark.parametrize("overlay, options", [
+    ("pipeline_cpu", "cuts, n_microbatches, schedule, processes"),
+    ("tensor_parallel_cpu", "processes"),
+])
+def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overlay, options, fast_args, capsys):
+    """Ours' `zero_stage` partitions the replicas' state; the pipeline and tensor parallelism take no such option,
+    and the message lists the ones they take."""
+    err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", f"configs/strategy/{overlay}.yaml",
+                    *fast_args, "--trainer.strategy.init_args.zero_stage", "1"], capsys)
+    assert "trainer.strategy.init_args.zero_stage is not an option of" in err and f"its options are {options}" in err

@@ -26,26 +26,27 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from src.layout import ParallelLayout
-from src.strategies.pipeline_net import SCHEDULES, PipelinedNet
+from src.strategies.pipeline_net import SCHEDULES, SEVERAL_PER_PROCESS, PipelinedNet, stage_ranks
 from src.strategies.pipeline_stages import (balanced_starts, block_seconds, check_chain, cut_starts, named_blocks,
                                             stage_module, stage_names)
-from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
+from src.strategies.model_split import ModelSplitStrategy
+from src.strategies.processes import ProcessStart
 
-_WORDS = {"gpipe": "GPipe", "1f1b": "1F1B"}
-
-
-class PipelineStrategy(ProcessesParallelStrategy):
-    """The LightningModule's `net` cut into P stages, one per process (`trainer.devices` x `trainer.num_nodes`).
+class PipelineStrategy(ModelSplitStrategy):
+    """The LightningModule's `net` cut into stages over P processes (`trainer.devices` x `trainer.num_nodes`): one
+    stage on each, or two under the interleaved schedules.
 
     Args:
         cuts: The block each stage after the first begins with, by its name in the network (e.g. [classifier] or
-            [features.3] for LeNet, [stages.2] for ResNet-18; `src.strategies.pipeline_stages.named_blocks`), P - 1
-            of them; or "auto": the cut that makes the slowest stage fastest by each block's forward time, measured
-            on rank 0 on the first batch's micro-batch.
+            [features.3] for LeNet, [stages.2] for ResNet-18; `src.strategies.pipeline_stages.named_blocks`), one
+            fewer than the stages; or "auto": the cut that makes the slowest stage fastest by each block's forward
+            time, measured on rank 0 on the first batch's micro-batch.
         n_microbatches: Micro-batches per global batch; must divide `data.batch_size` (an epoch's last, smaller
             batch takes the largest number below it that divides it).
-        schedule: "gpipe" (every micro-batch's forward, then every backward) or "1f1b" (one forward, one backward
-            once the pipeline is full: fewer activations held).
+        schedule: "gpipe" (every micro-batch's forward, then every backward), "1f1b" (one forward, one backward
+            once the pipeline is full: fewer activations held), or with 2 stages on each process, 2P in all, stage s
+            on process s mod P: "interleaved_1f1b" (Narayanan et al., SC 2021) or "interleaved_zero_bubble"
+            (backward split into its input and weight parts to fill the bubble; Qi et al., ICLR 2024).
         processes: How the processes start and wait for each other (`ProcessStart`).
 
     Raises:
@@ -58,7 +59,8 @@ class PipelineStrategy(ProcessesParallelStrategy):
     strategy_name = "pipeline"
 
     def __init__(self, cuts: list[str] | Literal["auto"] = "auto", n_microbatches: int = 4,
-                 schedule: Literal["gpipe", "1f1b"] = "gpipe", processes: ProcessStart = ProcessStart()) -> None:
+                 schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "gpipe",
+                 processes: ProcessStart = ProcessStart()) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is not one this strategy runs; choose one of "
                              f"{', '.join(SCHEDULES)}")
@@ -76,24 +78,21 @@ class PipelineStrategy(ProcessesParallelStrategy):
 
     # ---- the world ------------------------------------------------------------------------------------------
     @property
-    @override
-    def root_device(self) -> torch.device:
-        """This process's device."""
-        devices = self.parallel_devices
-        return devices[self.local_rank] if devices else torch.device("cpu")
+    def per_process(self) -> int:
+        """Stages on each process: 2 under the interleaved schedules, else 1."""
+        return 2 if self.schedule in SEVERAL_PER_PROCESS else 1
 
     @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every stage sees the whole global batch."""
-        return {"num_replicas": 1, "rank": 0}
+    def placement(self) -> list[int]:
+        """The process of each stage."""
+        return stage_ranks(self.world_size * self.per_process, self.world_size)
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes holding one model between them, as the epoch line, run names and the DataModule read it."""
-        p = self.world_size
-        words = f"{p} stages, {_WORDS[self.schedule]}, {self.n_microbatches} micro-batches"
+        p, n = self.world_size, self.world_size * self.per_process
+        words = f"{n} stages, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
         if self._starts is not None:
-            words = f"{p} stages ({' | '.join(stage_names(self._blocks, self._starts))}), " + words.split(", ", 1)[1]
+            words = f"{n} stages ({' | '.join(stage_names(self._blocks, self._starts))}), " + words.split(", ", 1)[1]
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "none", self.process_group_backend if p > 1 else None, model_parallel=p,
                               model_split=words, split_tag=f"{self.schedule}-m{self.n_microbatches}")
@@ -107,7 +106,7 @@ class PipelineStrategy(ProcessesParallelStrategy):
         check_pipelinable(trainer, module, self.precision_plugin, self.n_microbatches)
         super().setup(trainer)
         self._net = module.net
-        self._pipelined = PipelinedNet(self._net, self._plan, self.global_rank, self.world_size, self.schedule,
+        self._pipelined = PipelinedNet(self._net, self._plan, self.global_rank, self.placement, self.schedule,
                                        self.n_microbatches, module.loss_fn, trainer.accumulate_grad_batches)
         module.net = self._pipelined
 
@@ -119,50 +118,52 @@ class PipelineStrategy(ProcessesParallelStrategy):
         self._pipelined = None
         super().teardown()
 
-    def _plan(self, x: Tensor) -> tuple[nn.Module, tuple[int, ...]]:
+    def _plan(self, x: Tensor) -> tuple[list[tuple[int, nn.Module]], tuple[int, ...]]:
         """At the first batch x (B, ...) of this process: check that the network is a chain of its blocks, fix the
-        cut (rank 0's measure under `auto`) and free the other stages' tensors; this stage's module and the
-        logits' shape after the batch dimension."""
+        cut (rank 0's measure under `auto`) and free the other stages' tensors; this process's stages (index,
+        module) and the logits' shape after the batch dimension."""
+        stages = self.world_size * self.per_process
         if self._starts is None:
             self._blocks = named_blocks(self._net)
             example = x[: max(1, len(x) // self.n_microbatches)]
             self._outputs = tuple(check_chain(self._net, self._blocks, example).shape[1:])
             if self.cuts == "auto":
                 seconds = block_seconds(self._net, self._blocks, example) if self.global_rank == 0 else None
-                self._starts = self.broadcast(None if seconds is None else balanced_starts(seconds, self.world_size))
+                self._starts = self.broadcast(None if seconds is None else balanced_starts(seconds, stages))
             else:
-                self._starts = cut_starts(self._blocks, list(self.cuts), self.world_size)
+                self._starts = cut_starts(self._blocks, list(self.cuts), stages, self.per_process)
         if not self._freed:
             self._free_other_stages()
-        return stage_module(self._blocks, self._starts, self.global_rank), self._outputs
+        return [(s, stage_module(self._blocks, self._starts, s)) for s, rank in enumerate(self.placement)
+                if rank == self.global_rank], self._outputs
 
     def _stage_of_blocks(self) -> list[tuple[int, str, nn.Module]]:
-        """(stage, name, block) for every block, in forward order."""
-        bounds = [0, *self._starts, len(self._blocks)]
-        return [(stage, name, block) for stage, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        """(the process holding it, name, block) for every block, in forward order."""
+        bounds, placement = [0, *self._starts, len(self._blocks)], self.placement
+        return [(placement[stage], name, block) for stage, (a, b) in enumerate(zip(bounds, bounds[1:]))
                 for name, block in self._blocks[a:b]]
 
     def _owner(self) -> dict[str, int]:
-        """Each state-dict key of the module under its network -> the stage (rank) that holds it."""
-        return {f"net.{name}.{key}": stage for stage, name, block in self._stage_of_blocks()
+        """Each state-dict key of the module under its network -> the process that holds it."""
+        return {f"net.{name}.{key}": owner for owner, name, block in self._stage_of_blocks()
                 for key in block.state_dict()}
 
     def _tensors(self) -> list[tuple[int, nn.Module, str, bool]]:
-        """(stage, module, name, is a parameter) of every parameter and buffer of the blocks, in one order on every
-        process."""
-        return [(stage, sub, name, is_param) for stage, _, block in self._stage_of_blocks() for sub in block.modules()
+        """(the process holding it, module, name, is a parameter) of every parameter and buffer of the blocks, in one
+        order on every process."""
+        return [(owner, sub, name, is_param) for owner, _, block in self._stage_of_blocks() for sub in block.modules()
                 for is_param, table in ((True, sub._parameters), (False, sub._buffers))
                 for name, t in table.items() if t is not None]
 
     def _free_other_stages(self) -> None:
         """Drop this process's copies of the other stages' parameters, buffers and optimizer state (a resumed
-        checkpoint's): empty tensors in their place, their shapes kept for `_make_whole`. They never get a gradient
+        checkpoint's): empty tensors in their place, their shapes kept for `make_whole`. They never get a gradient
         here, so the optimizer skips them."""
         self._shapes = []
-        for stage, sub, name, is_param in self._tensors():
+        for owner, sub, name, is_param in self._tensors():
             t = sub._parameters[name] if is_param else sub._buffers[name]
             self._shapes.append(t.shape)
-            if stage == self.global_rank:
+            if owner == self.global_rank:
                 continue
             empty = torch.empty(0, dtype=t.dtype, device=t.device)
             if is_param:
@@ -173,39 +174,22 @@ class PipelineStrategy(ProcessesParallelStrategy):
                 sub._buffers[name] = empty
         self._freed = True
 
-    def _make_whole(self) -> None:
+    def make_whole(self) -> None:
         """Every process takes the other stages' parameters and buffers back from them (a broadcast from each
         stage), so that after a run the module is one device's on every process, as the launchers and the user's
         code after `fit` read it."""
         if not self._freed:
             return
-        for (stage, sub, name, is_param), shape in zip(self._tensors(), self._shapes):
+        for (owner, sub, name, is_param), shape in zip(self._tensors(), self._shapes):
             t = sub._parameters[name] if is_param else sub._buffers[name]
-            whole = t if stage == self.global_rank else torch.empty(shape, dtype=t.dtype, device=t.device)
-            dist.broadcast(whole, src=stage)
-            if stage != self.global_rank:
+            whole = t if owner == self.global_rank else torch.empty(shape, dtype=t.dtype, device=t.device)
+            dist.broadcast(whole, src=owner)
+            if owner != self.global_rank:
                 if is_param:
                     t.data = whole
                 else:
                     sub._buffers[name] = whole
         self._freed = False
-
-    @override
-    def on_train_end(self) -> None:
-        self._make_whole()
-
-    @override
-    def on_validation_end(self) -> None:
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            self._make_whole()
-
-    @override
-    def on_test_end(self) -> None:
-        self._make_whole()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._make_whole()
 
     # ---- one step -------------------------------------------------------------------------------------------
     @override

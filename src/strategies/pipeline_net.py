@@ -24,13 +24,26 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 #: our schedule names -> torch's (`torch.distributed.pipelining.schedules.get_schedule_class`)
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+# torch's ZBVZeroBubble is left out: in torch 2.14.1 its evaluation fails ("can't steal_bwd_input if this stage
+# doesn't have backward", in `PipelineStage.get_local_bwd_output`), so a run could not validate
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+             "interleaved_zero_bubble": "InterleavedZeroBubble"}
+#: the schedules that run several stages on each process
+SEVERAL_PER_PROCESS = ("interleaved_1f1b", "interleaved_zero_bubble")
 
 
-def microbatches_for(batch: int, wanted: int) -> int:
+def stage_ranks(stages: int, processes: int) -> list[int]:
+    """The process of each stage, in a loop (stage s on process s mod P), as torch's schedules place them."""
+    return [s % processes for s in range(stages)]
+
+
+def microbatches_for(batch: int, wanted: int, processes: int = 1, interleaved: bool = False) -> int:
     """The micro-batches a batch of `batch` samples is cut into: `wanted` when it divides the batch, else the largest
-    number below it that does (an epoch's last, smaller batch), so that every micro-batch has the same size."""
-    return max(m for m in range(1, min(wanted, batch) + 1) if batch % m == 0)
+    number below it that does (an epoch's last, smaller batch), so that every micro-batch has the same size. An
+    interleaved schedule also needs a whole number of rounds of `processes` micro-batches (torch's rule)."""
+    def fits(m: int) -> bool:
+        return batch % m == 0 and (not interleaved or m % max(1, m // processes) == 0)
+    return max(m for m in range(1, min(wanted, batch) + 1) if fits(m))
 
 
 class PipelinedNet(nn.Module):
@@ -38,27 +51,29 @@ class PipelinedNet(nn.Module):
 
     Args:
         net: The LightningModule's network; its children are registered here under their own names.
-        plan: Called with the first batch x (B, ...) when no stage is known yet: returns this process's stage module
-            (`src.strategies.pipeline_stages.stage_module`) and the logits' shape after the batch dimension, e.g.
-            (10,).
-        stage_index: This process's stage, its rank. stages: The number of stages, the world size.
+        plan: Called with the first batch x (B, ...) when no stage is known yet: returns this process's stages as
+            (stage index, its module) (`src.strategies.pipeline_stages.stage_module`) and the logits' shape after
+            the batch dimension, e.g. (10,).
+        rank: This process's rank.
+        placement: The process of each stage (`stage_ranks`).
         schedule: A key of `SCHEDULES`.
         n_microbatches: Micro-batches per batch (fewer for a batch they do not divide: `microbatches_for`).
         loss_fn: The module's loss, (logits (b, C), targets (b,)) -> a mean over the b samples.
         accumulate: Lightning's `accumulate_grad_batches`.
     """
 
-    def __init__(self, net: nn.Module, plan: Callable[[Tensor], tuple[nn.Module, tuple[int, ...]]], stage_index: int,
-                 stages: int, schedule: str, n_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor],
-                 accumulate: int) -> None:
+    def __init__(self, net: nn.Module, plan: Callable[[Tensor], tuple[list[tuple[int, nn.Module]], tuple[int, ...]]],
+                 rank: int, placement: list[int], schedule: str, n_microbatches: int,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], accumulate: int) -> None:
         super().__init__()
         for name, child in net.named_children():
             self.add_module(name, child)
         # settings under private names: a public one could be a child's name (ResNet-18 has `stages`)
         self.__dict__["_plan"] = plan
-        self.__dict__["_stage"] = None  # not registered: its blocks are the children's, under their names
+        self.__dict__["_stage"] = None  # [(index, module)]; not registered: their blocks are the children's
         self._outputs: tuple[int, ...] = ()
-        self._rank, self._stages = stage_index, stages
+        self._rank, self._placement = rank, placement
+        self._several = schedule in SEVERAL_PER_PROCESS
         self._schedule_class = get_schedule_class(SCHEDULES[schedule])
         self._n_microbatches, self._loss_fn, self._accumulate = n_microbatches, loss_fn, accumulate
         self.target: Tensor | None = None  # the training batch's targets, set by the strategy before each step
@@ -69,10 +84,11 @@ class PipelinedNet(nn.Module):
         so each batch size (an epoch's last batch, evaluation's) gets stages of its own over the same blocks."""
         key = (batch, training)
         if key not in self._schedules:
-            m = microbatches_for(batch, self._n_microbatches)
-            stage = PipelineStage(self._stage, self._rank, self._stages, device)
+            m = microbatches_for(batch, self._n_microbatches, max(self._placement) + 1, self._several)
+            stages = [PipelineStage(module, index, len(self._placement), device) for index, module in self._stage]
             loss = (lambda out, y, scale=m * self._accumulate: self._loss_fn(out, y) / scale) if training else None
-            self._schedules[key] = self._schedule_class(stage, n_microbatches=m, loss_fn=loss, scale_grads=False)
+            self._schedules[key] = self._schedule_class(stages if self._several else stages[0], n_microbatches=m,
+                                                        loss_fn=loss, scale_grads=False)
         return self._schedules[key]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -83,11 +99,11 @@ class PipelinedNet(nn.Module):
         training = self.training and torch.is_grad_enabled()
         schedule = self._schedule(len(x), training, x.device)
         run = schedule.step if training else schedule.eval
-        first, last = self._rank == 0, self._rank == self._stages - 1
+        first, last = self._placement[0] == self._rank, self._placement[-1] == self._rank
         kwargs: dict[str, Any] = {"target": self.target, "losses": []} if training and last else {}
         out = run(x, **kwargs) if first else run(**kwargs)
         # in the input's dtype on every process (under autocast the last stage's logits may be lower)
         logits = out.detach().to(x.dtype) if last else torch.empty((len(x), *self._outputs), dtype=x.dtype,
                                                                     device=x.device)
-        dist.broadcast(logits, src=self._stages - 1)
+        dist.broadcast(logits, src=self._placement[-1])
         return logits

@@ -78,18 +78,19 @@ def check_chain(net: nn.Module, blocks: list[tuple[str, nn.Module]], example: Te
     return want
 
 
-def cut_starts(blocks: list[tuple[str, nn.Module]], cuts: list[str], stages: int) -> list[int]:
+def cut_starts(blocks: list[tuple[str, nn.Module]], cuts: list[str], stages: int, per_process: int = 1) -> list[int]:
     """The index of the first block of stages 1 .. S-1, from `cuts`: each names the block a stage begins with, or a
     `nn.Sequential` whose first block it is ("classifier" for "classifier.0").
 
     Raises:
         ValueError: A cut that names no block (the message lists them), cuts out of order or at the first block,
-            or a number of cuts that does not give `stages` stages (one per process).
+            or a number of cuts that does not give `stages` stages (`per_process` on each process).
     """
     names = [n for n, _ in blocks]
     if len(cuts) != stages - 1:
         raise ValueError(f"pipeline: {len(cuts)} cut{'s' if len(cuts) != 1 else ''} make {len(cuts) + 1} stages, but "
-                         f"there are {stages} processes (trainer.devices x trainer.num_nodes), one stage each; give "
+                         f"there are {stages // per_process} processes (trainer.devices x trainer.num_nodes), "
+                         f"{per_process} stage{'s' if per_process > 1 else ''} each under this schedule; give "
                          f"{stages - 1} cut{'s' if stages != 2 else ''}, or cuts: auto")
     starts = []
     for cut in cuts:
@@ -155,11 +156,12 @@ def block_seconds(net: nn.Module, blocks: list[tuple[str, nn.Module]], example: 
 
 
 class _DenseBothWays(torch.autograd.Function):
-    """The identity, with its output and its gradient in dense (contiguous) memory order."""
+    """The identity, with its output and its gradient in dense (contiguous) memory order; the output is a tensor of
+    its own, never a view (torch's ZBV schedule detaches a stage's output in place, which a view forbids)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.contiguous()
+        return x.clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from src.layout import ParallelLayout
-from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
+from src.strategies.model_split import ModelSplitStrategy
+from src.strategies.processes import ProcessStart
 from src.strategies.tensor_plans import apply_plan
 
 
@@ -30,7 +31,7 @@ def _whole(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-class TensorParallelStrategy(ProcessesParallelStrategy):
+class TensorParallelStrategy(ModelSplitStrategy):
     """The LightningModule's `net` split within its layers over P processes (`trainer.devices` x
     `trainer.num_nodes`), by the plan for its class (`src.strategies.tensor_plans.PLANS`).
 
@@ -48,19 +49,6 @@ class TensorParallelStrategy(ProcessesParallelStrategy):
         super().__init__(processes)
         self._mesh: DeviceMesh | None = None
         self._split: list[tuple[nn.Module, set, set]] = []  # (module, hooks the plan added: pre, post) while split
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """This process's device."""
-        devices = self.parallel_devices
-        return devices[self.local_rank] if devices else torch.device("cpu")
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process sees the whole global batch."""
-        return {"num_replicas": 1, "rank": 0}
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes holding one model between them, each a share of every split layer."""
@@ -101,7 +89,7 @@ class TensorParallelStrategy(ProcessesParallelStrategy):
                        for m, (pre, post) in before.items()]
         return model
 
-    def _make_whole(self) -> None:
+    def make_whole(self) -> None:
         """Every split layer whole again on every process (parameters, buffers, its own forward), so that after a
         run the module is one device's, as the launchers and the user's code after `fit` read it."""
         for module, pre, post in self._split:
@@ -118,23 +106,6 @@ class TensorParallelStrategy(ProcessesParallelStrategy):
             for key in post:
                 module._forward_hooks.pop(key, None)
         self._split = []
-
-    @override
-    def on_train_end(self) -> None:
-        self._make_whole()
-
-    @override
-    def on_validation_end(self) -> None:
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            self._make_whole()
-
-    @override
-    def on_test_end(self) -> None:
-        self._make_whole()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._make_whole()
 
     # ---- checkpoints in one device's format -------------------------------------------------------------------
     @override
