@@ -3,6 +3,7 @@ against one device in float64, checkpoints in one device's format both ways, and
 
 import logging
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -190,3 +191,30 @@ def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overla
     err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", f"configs/strategy/{overlay}.yaml",
                     *fast_args, "--trainer.strategy.init_args.zero_stage", "1"], capsys)
     assert "trainer.strategy.init_args.zero_stage is not an option of" in err and f"its options are {options}" in err
+
+
+class ValCounts(pl.Callback):
+    """Writes rank 0's validation confusion-matrix total and accuracy at each validation's end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        total, acc = int(pl_module.val_confmat.compute().sum()), float(pl_module.val_acc.compute())
+        if trainer.global_rank == 0:
+            torch.save((total, acc), self.path)
+
+
+@pytest.mark.slow  # 2 processes per way
+@pytest.mark.parametrize("way", ["pipeline", "tensor_parallel"])
+def test_metrics_count_each_sample_once_when_processes_share_a_model(tiny_data_dir, tmp_path, way):
+    """Every process of a split model saw the same 100 validation images: the confusion matrix counts 100, as one
+    device's does, not 100 per process (torchmetrics would sum the processes' identical states)."""
+    from src.strategies import TensorParallelStrategy
+
+    strategy = _pipeline() if way == "pipeline" else TensorParallelStrategy(
+        processes=ProcessStart("gloo", start_method="spawn"))
+    fit(tiny_data_dir, strategy, devices=2, steps=2, batch_size=BATCH, limit_val_batches=None,
+        num_sanity_val_steps=0, val_check_interval=2, callbacks=[ValCounts(str(tmp_path / "counts.pt"))])
+    total, _ = torch.load(tmp_path / "counts.pt")
+    assert total == 100

@@ -1,14 +1,21 @@
 """The base of the strategies that split one model between their processes (pipeline stages, tensor-parallel
-shares): each process sees the whole global batch, and the model is made whole on every process at the end of each
-run, so that the launchers, the run after `fit` and the user's code read one device's model."""
+shares): each process sees the whole global batch, the module's metrics count each sample once, and the model is
+made whole on every process at the end of each run, so that the launchers, the run after `fit` and the user's code
+read one device's model."""
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from torchmetrics import Metric
 from typing_extensions import override
 
 from src.strategies.processes import ProcessesParallelStrategy
+
+
+def _alone() -> bool:
+    return False
 
 
 class ModelSplitStrategy(ProcessesParallelStrategy):
@@ -27,6 +34,24 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every process sees the whole global batch."""
         return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Lightning's setup, then the module's metrics kept from syncing over the processes: every process saw the
+        same samples and holds the same metric states, so a sum over them would count each sample P times (a
+        confusion matrix P times too large)."""
+        super().setup(trainer)
+        self._synced = {m: m.distributed_available_fn for m in trainer.lightning_module.modules()
+                        if isinstance(m, Metric)}
+        for metric in self._synced:  # torchmetrics' switch for "is there a world to sync with"
+            metric.distributed_available_fn = _alone
+
+    @override
+    def teardown(self) -> None:
+        for metric, available in getattr(self, "_synced", {}).items():
+            metric.distributed_available_fn = available
+        self._synced = {}
+        super().teardown()
 
     def make_whole(self) -> None:
         """Give every process the whole model back (a collective over all processes)."""
