@@ -93,10 +93,14 @@ class ParallelLayout:
     def words(self, threads: int | None = None) -> str:
         """The layout as the epoch line and HPARAMS name it, the same for every strategy: "1 process x 1 replica on
         cpu" (one device), "1 process x 2 replicas on cpu" (ours in one process), "2 processes x 1 replica on cpu"
-        (DDP, or ours across processes); with `threads`, the intra-op threads of each process too: "... on cpu
-        (2 threads)", "... on cpu (1 thread each)"."""
+        (DDP, or ours across processes), "2 processes as 1 replica on cpu" (a model split between them); with
+        `threads`, the intra-op threads of each process too: "... on cpu (2 threads)", "... on cpu (1 thread
+        each)"."""
         p, k = self.processes, self.replicas_per_process
         text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} on {self.device_types}"
+        if self.model_parallel > 1:  # processes that hold one model between them: "2 processes as 1 replica on cpu"
+            r = self.total_replicas
+            text = f"{p} processes as {r} replica{'s' if r > 1 else ''} on {self.device_types}"
         if threads is None:
             return text
         return f"{text} ({threads} thread{'s' if threads > 1 else ''}{' each' if p > 1 else ''})"

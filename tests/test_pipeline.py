@@ -148,7 +148,7 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
     with caplog.at_level(logging.INFO):
         main(["fit", *overlay, *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
-    assert "pipeline: 2 processes x 1 replica on cpu" in out and "GPipe, 4 micro-batches" in out, out
+    assert "pipeline: 2 processes as 1 replica on cpu" in out and "GPipe, 4 micro-batches" in out, out
     assert "test acc " in out
     run = tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0"
     last = str(run / "checkpoints" / "last.ckpt")
@@ -182,7 +182,7 @@ def test_resnet18_in_two_stages_equals_one_device_accumulating_the_same_micro_ba
 
 
 @pytest.mark.parametrize("overlay, options", [
-    ("pipeline_cpu", "cuts, n_microbatches, schedule, processes"),
+    ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, processes"),
     ("tensor_parallel_cpu", "processes"),
 ])
 def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overlay, options, fast_args, capsys):
@@ -218,3 +218,14 @@ def test_metrics_count_each_sample_once_when_processes_share_a_model(tiny_data_d
         num_sanity_val_steps=0, val_check_interval=2, callbacks=[ValCounts(str(tmp_path / "counts.pt"))])
     total, _ = torch.load(tmp_path / "counts.pt")
     assert total == 100
+
+
+@pytest.mark.slow  # 4 processes
+def test_two_pipelines_side_by_side_equal_one_device(tiny_data_dir):
+    """Pipeline x data parallelism on a (2, 2) device mesh: 2 pipelines of 2 stages, each taking half of every global
+    batch, their gradients averaged over the pipelines: one device's model after 20 steps in float64 (1e-9)."""
+    one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
+    both, _, _ = fit(tiny_data_dir, _pipeline(pipelines=2), devices=4, steps=STEPS, batch_size=BATCH,
+                     model_kwargs=RECIPE)
+    print(f"pipeline x data, 2 pipelines x 2 stages: {max_param_diff(one, both):.3g} from one device")
+    assert max_param_diff(one, both) <= 1e-9 and max_param_diff(one, seeded_model(model_kwargs=RECIPE)) > 0.1

@@ -41,15 +41,23 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         same samples and holds the same metric states, so a sum over them would count each sample P times (a
         confusion matrix P times too large)."""
         super().setup(trainer)
-        self._synced = {m: m.distributed_available_fn for m in trainer.lightning_module.modules()
+        group = self.metric_group()
+        self._synced = {m: (m.distributed_available_fn, m.process_group) for m in trainer.lightning_module.modules()
                         if isinstance(m, Metric)}
-        for metric in self._synced:  # torchmetrics' switch for "is there a world to sync with"
-            metric.distributed_available_fn = _alone
+        for metric in self._synced:
+            if group is None:  # torchmetrics' switch for "is there a world to sync with"
+                metric.distributed_available_fn = _alone
+            else:
+                metric.process_group = group
+
+    def metric_group(self) -> Any:
+        """The processes that saw other samples than this one, over which the metrics sum; None: none did."""
+        return None
 
     @override
     def teardown(self) -> None:
-        for metric, available in getattr(self, "_synced", {}).items():
-            metric.distributed_available_fn = available
+        for metric, (available, group) in getattr(self, "_synced", {}).items():
+            metric.distributed_available_fn, metric.process_group = available, group
         self._synced = {}
         super().teardown()
 

@@ -15,6 +15,7 @@ batches accumulated too, so it is off.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,21 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1
              "interleaved_zero_bubble": "InterleavedZeroBubble"}
 #: the schedules that run several stages on each process
 SEVERAL_PER_PROCESS = ("interleaved_1f1b", "interleaved_zero_bubble")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pipeline's stages run.
+
+    Args:
+        rank: This process's rank within its pipeline.
+        ranks: The rank within the pipeline of each stage (`stage_ranks`).
+        group: The pipeline's process group; None: the whole world is one pipeline.
+    """
+
+    rank: int
+    ranks: list[int]
+    group: Any = None
 
 
 def stage_ranks(stages: int, processes: int) -> list[int]:
@@ -54,8 +70,7 @@ class PipelinedNet(nn.Module):
         plan: Called with the first batch x (B, ...) when no stage is known yet: returns this process's stages as
             (stage index, its module) (`src.strategies.pipeline_stages.stage_module`) and the logits' shape after
             the batch dimension, e.g. (10,).
-        rank: This process's rank.
-        placement: The process of each stage (`stage_ranks`).
+        placement: Where the stages run (`Placement`).
         schedule: A key of `SCHEDULES`.
         n_microbatches: Micro-batches per batch (fewer for a batch they do not divide: `microbatches_for`).
         loss_fn: The module's loss, (logits (b, C), targets (b,)) -> a mean over the b samples.
@@ -63,7 +78,7 @@ class PipelinedNet(nn.Module):
     """
 
     def __init__(self, net: nn.Module, plan: Callable[[Tensor], tuple[list[tuple[int, nn.Module]], tuple[int, ...]]],
-                 rank: int, placement: list[int], schedule: str, n_microbatches: int,
+                 placement: Placement, schedule: str, n_microbatches: int,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], accumulate: int) -> None:
         super().__init__()
         for name, child in net.named_children():
@@ -72,7 +87,7 @@ class PipelinedNet(nn.Module):
         self.__dict__["_plan"] = plan
         self.__dict__["_stage"] = None  # [(index, module)]; not registered: their blocks are the children's
         self._outputs: tuple[int, ...] = ()
-        self._rank, self._placement = rank, placement
+        self._placement = placement
         self._several = schedule in SEVERAL_PER_PROCESS
         self._schedule_class = get_schedule_class(SCHEDULES[schedule])
         self._n_microbatches, self._loss_fn, self._accumulate = n_microbatches, loss_fn, accumulate
@@ -84,8 +99,10 @@ class PipelinedNet(nn.Module):
         so each batch size (an epoch's last batch, evaluation's) gets stages of its own over the same blocks."""
         key = (batch, training)
         if key not in self._schedules:
-            m = microbatches_for(batch, self._n_microbatches, max(self._placement) + 1, self._several)
-            stages = [PipelineStage(module, index, len(self._placement), device) for index, module in self._stage]
+            ranks = self._placement.ranks
+            m = microbatches_for(batch, self._n_microbatches, max(ranks) + 1, self._several)
+            stages = [PipelineStage(module, index, len(ranks), device, group=self._placement.group)
+                      for index, module in self._stage]
             loss = (lambda out, y, scale=m * self._accumulate: self._loss_fn(out, y) / scale) if training else None
             self._schedules[key] = self._schedule_class(stages if self._several else stages[0], n_microbatches=m,
                                                         loss_fn=loss, scale_grads=False)
@@ -99,11 +116,12 @@ class PipelinedNet(nn.Module):
         training = self.training and torch.is_grad_enabled()
         schedule = self._schedule(len(x), training, x.device)
         run = schedule.step if training else schedule.eval
-        first, last = self._placement[0] == self._rank, self._placement[-1] == self._rank
+        ranks, rank = self._placement.ranks, self._placement.rank
+        first, last = ranks[0] == rank, ranks[-1] == rank
         kwargs: dict[str, Any] = {"target": self.target, "losses": []} if training and last else {}
         out = run(x, **kwargs) if first else run(**kwargs)
         # in the input's dtype on every process (under autocast the last stage's logits may be lower)
         logits = out.detach().to(x.dtype) if last else torch.empty((len(x), *self._outputs), dtype=x.dtype,
                                                                     device=x.device)
-        dist.broadcast(logits, src=self._placement[-1])
+        dist.broadcast(logits, group=self._placement.group, group_src=ranks[-1])
         return logits
