@@ -183,7 +183,7 @@ def test_resnet18_in_two_stages_equals_one_device_accumulating_the_same_micro_ba
 
 @pytest.mark.parametrize("overlay, options", [
     ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, processes"),
-    ("tensor_parallel_cpu", "processes"),
+    ("tensor_parallel_cpu", "replicas, processes"),
 ])
 def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overlay, options, fast_args, capsys):
     """Ours' `zero_stage` partitions the replicas' state; the pipeline and tensor parallelism take no such option,

@@ -66,3 +66,14 @@ def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, t
     print(f"{first} -> {then}: {max_param_diff(resumed, reference):.3g} from one device")
     assert max_param_diff(resumed, reference) <= 1e-9 and max_param_diff(reference, seeded_model()) > 0.1
     assert torch.is_tensor(momentum[0])
+
+
+@pytest.mark.slow  # 4 spawned processes
+def test_two_replicas_of_the_split_model_equal_one_device(tiny_data_dir):
+    """Tensor x data parallelism on a (2, 2) device mesh: 2 replicas of LeNet split in 2 shares each, each replica
+    taking half of every global batch, their gradients averaged: one device's model after 20 steps (1e-9)."""
+    one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
+    strategy = TensorParallelStrategy(replicas=2, processes=ProcessStart("gloo", start_method="spawn"))
+    both, _, _ = fit(tiny_data_dir, strategy, devices=4, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
+    print(f"tensor x data, 2 replicas x 2 shares: {max_param_diff(one, both):.3g} from one device")
+    assert max_param_diff(one, both) <= 1e-9 and max_param_diff(one, seeded_model(model_kwargs=RECIPE)) > 0.1

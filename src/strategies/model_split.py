@@ -1,17 +1,25 @@
-"""The base of the strategies that split one model between their processes (pipeline stages, tensor-parallel
-shares): each process sees the whole global batch, the module's metrics count each sample once, and the model is
-made whole on every process at the end of each run, so that the launchers, the run after `fit` and the user's code
-read one device's model."""
+"""The base of the strategies that split one model between processes (pipeline stages, tensor-parallel shares),
+with copies of the split model side by side (data parallelism between them).
+
+The P processes form a (copies, P / copies) device mesh (torch's `init_device_mesh`; consecutive ranks hold one
+copy): the processes of a copy see the same part of every global batch, and after each step's backward the
+processes that hold the same part of the model in the other copies average their gradients. The module's metrics
+count each sample once, and the model is made whole on every process at the end of each run, so that the
+launchers, the run after `fit` and the user's code read one device's model.
+"""
 
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from typing_extensions import override
 
-from src.strategies.processes import ProcessesParallelStrategy
+from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 
 
 def _alone() -> bool:
@@ -19,8 +27,23 @@ def _alone() -> bool:
 
 
 class ModelSplitStrategy(ProcessesParallelStrategy):
-    """P processes holding one model between them, one device each; subclasses split the model and say how it is
-    made whole again (`make_whole`)."""
+    """P processes, each copy of the model split between P / copies of them, one device each; subclasses split the
+    model and say how it is made whole again (`make_whole`).
+
+    Args:
+        copies: Copies of the split model side by side, each taking an equal part of every global batch.
+        split: The mesh dimension's name for the processes of one copy ("pp", "tp").
+        copies_name: What the copies are called in messages ("pipelines", "replicas").
+        processes: How the processes start and wait for each other (`ProcessStart`).
+    """
+
+    def __init__(self, copies: int, split: str, copies_name: str, processes: ProcessStart) -> None:
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+            raise ValueError(f"{copies_name} must be an integer of at least 1, got {copies!r}")
+        super().__init__(processes)
+        self.copies, self._split_dim, self._copies_name = copies, split, copies_name
+        self._mesh: DeviceMesh | None = None  # (copies, processes per copy), with several copies
+        self._samples = 0  # the last training batch's samples in this copy
 
     @property
     @override
@@ -32,16 +55,51 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process sees the whole global batch."""
-        return {"num_replicas": 1, "rank": 0}
+        """The processes of a copy see the same part of every global batch."""
+        return {"num_replicas": self.copies, "rank": self.global_rank // self.copy_size}
+
+    @property
+    def copy_size(self) -> int:
+        """Processes in each copy of the model."""
+        return max(self.world_size // self.copies, 1)
+
+    @property
+    def copy_rank(self) -> int:
+        """This process's rank within its copy."""
+        return self.global_rank % self.copy_size
+
+    def group(self, dim: str) -> Any:
+        """The process group of this process's copy (the split's dimension) or of the processes holding the same
+        part in the other copies ("dp"); None with one copy (then the whole world is the copy)."""
+        return None if self._mesh is None else self._mesh[dim].get_group()
+
+    def copy_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of this process's copy; None with one copy."""
+        return None if self._mesh is None else self._mesh[self._split_dim]
+
+    @override
+    def setup_environment(self) -> None:
+        """The process group, then with several copies the (copies, processes per copy) device mesh.
+
+        Raises:
+            ValueError: Processes that do not divide into the copies.
+        """
+        super().setup_environment()
+        if self.world_size % self.copies:
+            raise ValueError(f"{self.world_size} processes do not split into {self.copies} {self._copies_name} of "
+                             f"equal size; set {self._copies_name} to a divisor of trainer.devices x "
+                             "trainer.num_nodes")
+        if self.copies > 1 and self._mesh is None:
+            self._mesh = init_device_mesh(self.root_device.type, (self.copies, self.copy_size),
+                                          mesh_dim_names=("dp", self._split_dim))
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        """Lightning's setup, then the module's metrics kept from syncing over the processes: every process saw the
-        same samples and holds the same metric states, so a sum over them would count each sample P times (a
-        confusion matrix P times too large)."""
+        """Lightning's setup, then the module's metrics summed over the other copies only: the processes of one
+        copy saw the same samples and hold the same metric states, so a sum over them would count each sample
+        once per process (a confusion matrix P times too large)."""
         super().setup(trainer)
-        group = self.metric_group()
+        group = self.group("dp")
         self._synced = {m: (m.distributed_available_fn, m.process_group) for m in trainer.lightning_module.modules()
                         if isinstance(m, Metric)}
         for metric in self._synced:
@@ -50,10 +108,6 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
             else:
                 metric.process_group = group
 
-    def metric_group(self) -> Any:
-        """The processes that saw other samples than this one, over which the metrics sum; None: none did."""
-        return None
-
     @override
     def teardown(self) -> None:
         for metric, (available, group) in getattr(self, "_synced", {}).items():
@@ -61,6 +115,42 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         self._synced = {}
         super().teardown()
 
+    # ---- the copies' gradients averaged ---------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._samples = len(args[0][1])  # this copy's part of the global batch
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step; with several copies, the gradients averaged over them between the closure and the
+        update."""
+        if self.copies == 1:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_average() -> Any:
+            out = closure()
+            self._average_over_copies()
+            return out
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    def _average_over_copies(self) -> None:
+        """Each gradient this process holds (its stages', or its shares as DTensor) as the mean over the global
+        batch: the sum over the copies of n_d x (copy d's gradient, a mean over its n_d samples), divided by
+        N = sum of n_d; one all_reduce over the processes that hold the same part in the other copies."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.lightning_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        n = torch.tensor([float(self._samples)], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([g.reshape(-1) * n for g in grads] + [n])
+        dist.all_reduce(flat, group=self.group("dp"))
+        total, offset = flat[-1], 0
+        for g in grads:
+            g.copy_((flat[offset:offset + g.numel()] / total).view_as(g))
+            offset += g.numel()
+
+    # ---- one device's model at the end of each run ------------------------------------------------------------
     def make_whole(self) -> None:
         """Give every process the whole model back (a collective over all processes)."""
         raise NotImplementedError

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from src.layout import ParallelLayout
@@ -70,18 +69,14 @@ class PipelineStrategy(ModelSplitStrategy):
                              f"{', '.join(SCHEDULES)}")
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"pipeline n_microbatches must be an integer of at least 1, got {n_microbatches!r}")
-        if isinstance(pipelines, bool) or not isinstance(pipelines, int) or pipelines < 1:
-            raise ValueError(f"pipeline pipelines must be an integer of at least 1, got {pipelines!r}")
-        super().__init__(processes)
-        self.cuts, self.n_microbatches, self.schedule, self.pipelines = cuts, n_microbatches, schedule, pipelines
-        self._mesh: DeviceMesh | None = None  # (pipelines, processes per pipeline), with several pipelines
+        super().__init__(pipelines, "pp", "pipelines", processes)
+        self.cuts, self.n_microbatches, self.schedule = cuts, n_microbatches, schedule
         self._starts: list[int] | None = None  # each stage's first block, fixed at the first batch
         self._blocks: list[tuple[str, nn.Module]] = []
         self._net: nn.Module | None = None  # the module's own network, put back at teardown
         self._pipelined: PipelinedNet | None = None
         self._freed = False  # whether the other stages' tensors are freed on this process
         self._fresh: list[tuple[nn.Parameter, Tensor]] = []  # the last training step's gradients, until `backward`
-        self._samples = 0  # the last training batch's samples in this pipeline
         self._shapes: list[torch.Size] = []  # of every tensor of the blocks (`_tensors`), kept when they are freed
 
     # ---- the world ------------------------------------------------------------------------------------------
@@ -91,55 +86,23 @@ class PipelineStrategy(ModelSplitStrategy):
         return 2 if self.schedule in SEVERAL_PER_PROCESS else 1
 
     @property
-    def pipeline_size(self) -> int:
-        """Processes in each pipeline."""
-        return max(self.world_size // self.pipelines, 1)
-
-    @property
-    def pipeline_rank(self) -> int:
-        """This process's rank within its pipeline."""
-        return self.global_rank % self.pipeline_size
-
-    @property
     def placement(self) -> list[int]:
-        """The pipeline rank of each stage."""
-        return stage_ranks(self.pipeline_size * self.per_process, self.pipeline_size)
-
-    def _group(self, dim: str) -> Any:
-        """The process group of this process's pipeline ("pp") or of the processes holding its stages in the other
-        pipelines ("dp"); None for the whole world (one pipeline) or nothing to share (one pipeline, "dp")."""
-        if self._mesh is None:
-            return None
-        return self._mesh[dim].get_group()
+        """The rank within its pipeline of each stage."""
+        return stage_ranks(self.copy_size * self.per_process, self.copy_size)
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes, each pipeline's holding one model between them, as the epoch line, run names and the
         DataModule read it."""
-        p, n = self.world_size, self.pipeline_size * self.per_process
+        p, n = self.world_size, self.copy_size * self.per_process
         words = f"{n} stages, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
         if self._starts is not None:
             words = f"{n} stages ({' | '.join(stage_names(self._blocks, self._starts))}), " + words.split(", ", 1)[1]
         tag = f"{self.schedule}-m{self.n_microbatches}"
-        if self.pipelines > 1:
-            words, tag = f"{self.pipelines} pipelines of {words}", f"{tag}-x{self.pipelines}"
+        if self.copies > 1:
+            words, tag = f"{self.copies} pipelines of {words}", f"{tag}-x{self.copies}"
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
-                              "torch" if self.pipelines > 1 else "none", self.process_group_backend if p > 1 else None,
-                              model_parallel=self.pipeline_size, model_split=words, split_tag=tag)
-
-    def metric_group(self) -> Any:
-        """The pipelines' other processes at this stage, which saw other samples: the metrics sum over them."""
-        return self._group("dp")
-
-    @override
-    def setup_environment(self) -> None:
-        """The process group, then with several pipelines the (pipelines, processes per pipeline) device mesh."""
-        super().setup_environment()
-        if self.world_size % self.pipelines:
-            raise ValueError(f"pipeline: {self.world_size} processes do not split into {self.pipelines} pipelines of "
-                             "equal size; set pipelines to a divisor of trainer.devices x trainer.num_nodes")
-        if self.pipelines > 1 and self._mesh is None:
-            self._mesh = init_device_mesh(self.root_device.type, (self.pipelines, self.pipeline_size),
-                                          mesh_dim_names=("dp", "pp"))
+                              "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
+                              model_parallel=self.copy_size, model_split=words, split_tag=tag)
 
     # ---- setup ----------------------------------------------------------------------------------------------
     @override
@@ -150,7 +113,7 @@ class PipelineStrategy(ModelSplitStrategy):
         check_pipelinable(trainer, module, self.precision_plugin, self.n_microbatches)
         super().setup(trainer)
         self._net = module.net
-        where = Placement(self.pipeline_rank, self.placement, self._group("pp"))
+        where = Placement(self.copy_rank, self.placement, self.group("pp"))
         self._pipelined = PipelinedNet(self._net, self._plan, where, self.schedule, self.n_microbatches,
                                        module.loss_fn, trainer.accumulate_grad_batches)
         module.net = self._pipelined
@@ -167,7 +130,7 @@ class PipelineStrategy(ModelSplitStrategy):
         """At the first batch x (B, ...) of this process: check that the network is a chain of its blocks, fix the
         cut (rank 0's measure under `auto`) and free the other stages' tensors; this process's stages (index,
         module) and the logits' shape after the batch dimension."""
-        stages = self.pipeline_size * self.per_process
+        stages = self.copy_size * self.per_process
         if self._starts is None:
             self._blocks = named_blocks(self._net)
             example = x[: max(1, len(x) // self.n_microbatches)]
@@ -180,7 +143,7 @@ class PipelineStrategy(ModelSplitStrategy):
         if not self._freed:
             self._free_other_stages()
         return [(s, stage_module(self._blocks, self._starts, s)) for s, rank in enumerate(self.placement)
-                if rank == self.pipeline_rank], self._outputs
+                if rank == self.copy_rank], self._outputs
 
     def _stage_of_blocks(self) -> list[tuple[int, str, nn.Module]]:
         """(the process holding it, name, block) for every block, in forward order."""
@@ -208,7 +171,7 @@ class PipelineStrategy(ModelSplitStrategy):
         for owner, sub, name, is_param in self._tensors():
             t = sub._parameters[name] if is_param else sub._buffers[name]
             self._shapes.append(t.shape)
-            if owner == self.pipeline_rank:
+            if owner == self.copy_rank:
                 continue
             empty = torch.empty(0, dtype=t.dtype, device=t.device)
             if is_param:
@@ -227,9 +190,9 @@ class PipelineStrategy(ModelSplitStrategy):
             return
         for (owner, sub, name, is_param), shape in zip(self._tensors(), self._shapes):
             t = sub._parameters[name] if is_param else sub._buffers[name]
-            whole = t if owner == self.pipeline_rank else torch.empty(shape, dtype=t.dtype, device=t.device)
-            dist.broadcast(whole, group=self._group("pp"), group_src=owner)
-            if owner != self.pipeline_rank:
+            whole = t if owner == self.copy_rank else torch.empty(shape, dtype=t.dtype, device=t.device)
+            dist.broadcast(whole, group=self.group("pp"), group_src=owner)
+            if owner != self.copy_rank:
                 if is_param:
                     t.data = whole
                 else:
@@ -246,7 +209,6 @@ class PipelineStrategy(ModelSplitStrategy):
         training step and the backward of the first batch of a step, and a skipped batch (None) gets no backward.
         """
         self._pipelined.target = args[0][1]
-        self._samples = len(args[0][1])  # this pipeline's part of the global batch
         params = list(self.lightning_module.parameters())
         earlier = [p.grad for p in params]  # what earlier batches of an accumulated step left
         for p in params:
@@ -271,34 +233,6 @@ class PipelineStrategy(ModelSplitStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's step; with several pipelines, the gradients averaged over them between the closure and the
-        update."""
-        if self.pipelines == 1:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_average() -> Any:
-            out = closure()
-            self._average_over_pipelines()
-            return out
-        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-
-    def _average_over_pipelines(self) -> None:
-        """Each gradient of this process's stages as the mean over the global batch: sum over the pipelines of
-        n_d x (pipeline d's gradient, a mean over its n_d samples), divided by N = sum of n_d; one allreduce over
-        the processes that hold the same stages (torch.distributed's, as DDP's)."""
-        params = [p for p in self.lightning_module.parameters() if p.grad is not None]
-        if not params:
-            return
-        n = torch.tensor([float(self._samples)], dtype=params[0].grad.dtype, device=params[0].grad.device)
-        flat = torch.cat([p.grad.reshape(-1) * n for p in params] + [n])
-        dist.all_reduce(flat, group=self._group("dp"))
-        total, offset = flat[-1], 0
-        for p in params:
-            p.grad.copy_((flat[offset:offset + p.numel()] / total).view_as(p.grad))
-            offset += p.numel()
-
     # ---- checkpoints in one device's format -----------------------------------------------------------------
     def _gathered(self, mine: dict) -> dict:
         """Every stage's `mine` merged on rank 0 ({} on the others); a collective over all processes."""
@@ -320,7 +254,7 @@ class PipelineStrategy(ModelSplitStrategy):
         if not self._freed:
             return state
         owner = self._owner()
-        return self._gathered({k: v for k, v in state.items() if owner.get(k, 0) == self.pipeline_rank})
+        return self._gathered({k: v for k, v in state.items() if owner.get(k, 0) == self.copy_rank})
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -341,7 +275,7 @@ class PipelineStrategy(ModelSplitStrategy):
         missing = set(module.state_dict()) - set(state)
         if strict and missing:
             raise RuntimeError(f"the checkpoint lacks {len(missing)} of the model's keys, e.g. {sorted(missing)[0]}")
-        mine = self.pipeline_rank
+        mine = self.copy_rank
         module.load_state_dict({k: v for k, v in state.items() if owner.get(k, mine) == mine},
                                strict=False)
 

@@ -36,6 +36,9 @@ class TensorParallelStrategy(ModelSplitStrategy):
     `trainer.num_nodes`), by the plan for its class (`src.strategies.tensor_plans.PLANS`).
 
     Args:
+        replicas: Copies of the split model side by side, each taking an equal part of every global batch, their
+            gradients averaged over them after each step (tensor x data parallelism on a 2-D device mesh); the
+            processes must divide into them (consecutive ranks hold one copy).
         processes: How the processes start and wait for each other (`ProcessStart`).
 
     Raises:
@@ -45,18 +48,21 @@ class TensorParallelStrategy(ModelSplitStrategy):
 
     strategy_name = "tensor_parallel"
 
-    def __init__(self, processes: ProcessStart = ProcessStart()) -> None:
-        super().__init__(processes)
-        self._mesh: DeviceMesh | None = None
+    def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart()) -> None:
+        super().__init__(replicas, "tp", "replicas", processes)
+        self._tp_mesh: DeviceMesh | None = None  # the mesh of this process's copy
         self._split: list[tuple[nn.Module, set, set]] = []  # (module, hooks the plan added: pre, post) while split
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes holding one model between them, each a share of every split layer."""
-        p = self.world_size
-        return ParallelLayout("tensor_parallel", p, 1, (self.root_device,),
-                              tuple(self.parallel_devices or [self.root_device]), "none",
-                              self.process_group_backend if p > 1 else None, model_parallel=p,
-                              model_split=f"split layers in {p} shares (channels and units)", split_tag="tp")
+        p, shares = self.world_size, self.copy_size
+        words, tag = f"split layers in {shares} shares (channels and units)", "tp"
+        if self.copies > 1:
+            words, tag = f"{self.copies} replicas, {words}", f"tp-x{self.copies}"
+        devices = tuple(self.parallel_devices or [self.root_device])
+        return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices,
+                              "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
+                              model_parallel=shares, model_split=words, split_tag=tag)
 
     # ---- setup and the split ---------------------------------------------------------------------------------
     @override
@@ -80,11 +86,11 @@ class TensorParallelStrategy(ModelSplitStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Split the network by its plan, after the precision's dtype and the device and before the optimizer is
         made (it then holds the shares)."""
-        if self._mesh is None:
-            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        if self._tp_mesh is None:
+            self._tp_mesh = self.copy_mesh() or init_device_mesh(self.root_device.type, (self.world_size,))
         net = model.net
         before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in net.modules()}
-        apply_plan(net, self._mesh)
+        apply_plan(net, self._tp_mesh)
         self._split = [(m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)
                        for m, (pre, post) in before.items()]
         return model
