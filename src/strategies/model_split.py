@@ -37,6 +37,9 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         processes: How the processes start and wait for each other (`ProcessStart`).
     """
 
+    #: how messages name the strategy, e.g. "the pipeline strategy"
+    way = "this strategy"
+
     def __init__(self, copies: int, split: str, copies_name: str, processes: ProcessStart) -> None:
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise ValueError(f"{copies_name} must be an integer of at least 1, got {copies!r}")
@@ -95,9 +98,25 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        """Lightning's setup, then the module's metrics summed over the other copies only: the processes of one
-        copy saw the same samples and hold the same metric states, so a sum over them would count each sample
-        once per process (a confusion matrix P times too large)."""
+        """Refuse what a split model cannot run, Lightning's setup, then the module's metrics summed over the other
+        copies only: the processes of one copy saw the same samples and hold the same metric states, so a sum over
+        them would count each sample once per process (a confusion matrix P times too large).
+
+        Raises:
+            RuntimeError: A module without a `net` to split, manual optimization, gradient clipping (each process
+                holds part of the gradients, the norm is the whole model's) or torch.compile.
+        """
+        module = trainer.lightning_module
+        if not isinstance(getattr(module, "net", None), torch.nn.Module):
+            raise RuntimeError(f"{self.way} splits the LightningModule's `net`, as "
+                               f"src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise RuntimeError(f"{self.way} supports automatic optimization only. Set automatic_optimization=True.")
+        if trainer.gradient_clip_val:
+            raise RuntimeError(f"{self.way} does not clip gradients: each process holds only its part of them, and "
+                               "the norm is the whole model's; leave trainer.gradient_clip_val unset")
+        if module.hparams.get("compile"):
+            raise RuntimeError(f"{self.way} runs the network's parts itself; set model.init_args.compile: false")
         super().setup(trainer)
         group = self.group("dp")
         self._synced = {m: (m.distributed_available_fn, m.process_group) for m in trainer.lightning_module.modules()

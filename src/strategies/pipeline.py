@@ -21,7 +21,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -60,6 +59,7 @@ class PipelineStrategy(ModelSplitStrategy):
     """
 
     strategy_name = "pipeline"
+    way = "the pipeline strategy"
 
     def __init__(self, cuts: list[str] | Literal["auto"] = "auto", n_microbatches: int = 4,
                  schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "gpipe",
@@ -73,6 +73,7 @@ class PipelineStrategy(ModelSplitStrategy):
         self.cuts, self.n_microbatches, self.schedule = cuts, n_microbatches, schedule
         self._starts: list[int] | None = None  # each stage's first block, fixed at the first batch
         self._blocks: list[tuple[str, nn.Module]] = []
+        self._outputs: tuple[int, ...] = ()  # the logits' shape after the batch dimension, found at the first batch
         self._net: nn.Module | None = None  # the module's own network, put back at teardown
         self._pipelined: PipelinedNet | None = None
         self._freed = False  # whether the other stages' tensors are freed on this process
@@ -94,9 +95,8 @@ class PipelineStrategy(ModelSplitStrategy):
         """P processes, each pipeline's holding one model between them, as the epoch line, run names and the
         DataModule read it."""
         p, n = self.world_size, self.copy_size * self.per_process
-        words = f"{n} stages, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
-        if self._starts is not None:
-            words = f"{n} stages ({' | '.join(stage_names(self._blocks, self._starts))}), " + words.split(", ", 1)[1]
+        cut = "" if self._starts is None else f" ({' | '.join(stage_names(self._blocks, self._starts))})"
+        words = f"{n} stages{cut}, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
         tag = f"{self.schedule}-m{self.n_microbatches}"
         if self.copies > 1:
             words, tag = f"{self.copies} pipelines of {words}", f"{tag}-x{self.copies}"
@@ -281,28 +281,19 @@ class PipelineStrategy(ModelSplitStrategy):
 
 
 def check_pipelinable(trainer: "pl.Trainer", module: Any, precision: Any, n_microbatches: int) -> None:
-    """Refuse what the pipeline cannot run, each in one message with what to do.
+    """Refuse what the pipeline cannot run beside what every split model cannot (`ModelSplitStrategy.setup`), each
+    in one message with what to do.
 
     Raises:
-        RuntimeError: Manual optimization, gradient clipping (its norm would be one stage's), a model without
-            `net` and `loss_fn`, torch.compile, fp16 with a gradient scaler.
+        RuntimeError: A model without a `loss_fn` (the schedule computes each micro-batch's loss), fp16 with a
+            gradient scaler.
         ValueError: `n_microbatches` that do not divide `data.batch_size`.
     """
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    if not isinstance(getattr(module, "net", None), nn.Module) or not callable(getattr(module, "loss_fn", None)):
-        raise RuntimeError(f"the pipeline strategy runs a LightningModule with a `net` (the network it cuts into "
-                           f"stages) and a `loss_fn`, as src.models.classifier.ImageClassifier has; "
-                           f"{type(module).__name__} lacks them")
-    if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
-        raise RuntimeError("the pipeline strategy supports automatic optimization only: its schedule runs the "
-                           "backward pass. Set automatic_optimization=True.")
-    if trainer.gradient_clip_val:
-        raise RuntimeError("the pipeline strategy does not clip gradients: each stage holds only its own, and the "
-                           "norm is the whole model's; leave trainer.gradient_clip_val unset")
-    if getattr(module.hparams, "get", lambda *_: None)("compile"):
-        raise RuntimeError("the pipeline strategy runs the network's blocks itself; set model.init_args.compile: "
-                           "false")
+    if not callable(getattr(module, "loss_fn", None)):
+        raise RuntimeError(f"the pipeline strategy runs a LightningModule with a `loss_fn` (each micro-batch's loss), "
+                           f"as src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise RuntimeError("the pipeline strategy does not support fp16 with a gradient scaler (the schedule runs "
                            "backward itself); use --trainer.precision bf16-mixed, 32-true or 64-true")

@@ -12,10 +12,8 @@ checks against one device run in float64. This one takes every precision the Tra
 
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -47,6 +45,7 @@ class TensorParallelStrategy(ModelSplitStrategy):
     """
 
     strategy_name = "tensor_parallel"
+    way = "tensor parallelism"
 
     def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart()) -> None:
         super().__init__(replicas, "tp", "replicas", processes)
@@ -65,23 +64,6 @@ class TensorParallelStrategy(ModelSplitStrategy):
                               model_parallel=shares, model_split=words, split_tag=tag)
 
     # ---- setup and the split ---------------------------------------------------------------------------------
-    @override
-    def setup(self, trainer: "pl.Trainer") -> None:
-        module = trainer.lightning_module
-        if not isinstance(getattr(module, "net", None), nn.Module):
-            raise RuntimeError(f"tensor parallelism splits the LightningModule's `net`, as "
-                               f"src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
-        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
-            raise RuntimeError("tensor parallelism supports automatic optimization only; set "
-                               "automatic_optimization=True")
-        if getattr(module.hparams, "get", lambda *_: None)("compile"):
-            raise RuntimeError("tensor parallelism runs the split layers' shards itself; set "
-                               "model.init_args.compile: false")
-        if trainer.gradient_clip_val:
-            raise RuntimeError("tensor parallelism does not clip gradients (the norm would be over shards); leave "
-                               "trainer.gradient_clip_val unset")
-        super().setup(trainer)
-
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Split the network by its plan, after the precision's dtype and the device and before the optimizer is

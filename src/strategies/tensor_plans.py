@@ -118,8 +118,7 @@ def lenet_plan(net: nn.Module, mesh: DeviceMesh) -> None:
     allreduce; the first dense layer colwise (128 units), the second rowwise."""
     conv_by_output_channels(net.features[0], mesh)
     conv_by_input_channels(net.features[3], mesh)
-    for size in (net.classifier[1].out_features,):
-        check_divisible("the units of the first dense layer", size, mesh.size())
+    check_divisible("the units of the first dense layer", net.classifier[1].out_features, mesh.size())
     parallelize_module(net.classifier, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
 
 
