@@ -15,6 +15,12 @@
 * floor: the bare loop with the shipped recipe (batch 64, the config's optimizer, weight decay groups, label
   smoothing and channels_last, its lr held constant) over the 59,000 images the shipped config trains on: the
   shipped epoch with no Lightning, logging, metrics or checkpoints, the best an app can do with this recipe;
+* ours 2x1, ours 2x1 torch, ddp 2x1, ours 1x2, ours 2x2 (only when named in `--only`): the app across processes,
+  each a `python -m src.cli fit` of configs/lenet.yaml at global batch 256 and lr 0.1 for 2 epochs, the second
+  timed, with an overlay: configs/strategy/split_allreduce_processes.yaml (2 processes x 1 replica, our ring over
+  gloo), the same with `process_allreduce: torch` (gloo's own allreduce), configs/strategy/ddp_cpu.yaml
+  (Lightning's DDP), configs/strategy/split_allreduce.yaml (1 process x 2 replicas), and the processes overlay with
+  `replicas_per_process: 2`; compared with "time vs ddp 2x1";
 * bare+cl+compile, app+cl+compile: and with `torch.compile` (TorchInductor) too. Compiling is a one-off
   cost per run and is timed apart: the bare loop compiles on two warm-up steps (a full and the short last
   batch), the app runs two epochs and its second is the one compared (its first minus its second is
@@ -29,8 +35,11 @@ ratios of seconds per image (time vs X < 1: faster than X).
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -154,6 +163,39 @@ def shipped() -> float:
     return float(cli.trainer.callback_metrics["throughput/images_per_s"])
 
 
+LAYOUTS = {
+    "ours 2x1": ["--config", "configs/strategy/split_allreduce_processes.yaml"],
+    "ours 2x1 torch": ["--config", "configs/strategy/split_allreduce_processes.yaml",
+                       "--trainer.strategy.init_args.process_allreduce", "torch"],
+    "ddp 2x1": ["--config", "configs/strategy/ddp_cpu.yaml"],
+    "ours 1x2": ["--config", "configs/strategy/split_allreduce.yaml"],
+    "ours 2x2": ["--config", "configs/strategy/split_allreduce_processes.yaml",
+                 "--trainer.strategy.init_args.replicas_per_process", "2"],
+}
+
+
+def layout_epoch(layout: str) -> float:
+    """Two epochs of LeNet at global batch 256 across processes (`LAYOUTS`), as a fresh CLI command; returns the
+    second epoch's images/s (the app's own `throughput/images_per_s`, validation excluded)."""
+    import tempfile
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "src.cli", "fit", "--config", "configs/lenet.yaml", *LAYOUTS[layout],
+               "--data.batch_size", "256", "--model.init_args.lr", "0.1", "--trainer.max_epochs", "2",
+               "--model.init_args.base_batch_size", "null",  # lr 0.1 as given (not scaled from the config's 64)
+               "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false", "--test_after_fit",
+               "false", "--trainer.logger.init_args.save_dir", out, "--trainer.logger.init_args.name", "layout",
+               "--trainer.logger.init_args.name_by_run", "false"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{layout} failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
+        events = EventAccumulator(str(Path(out) / "layout" / "version_0"))
+        events.Reload()
+        return events.Scalars("throughput/images_per_s")[-1].value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     runners = {
@@ -161,19 +203,21 @@ def main() -> None:
         "shipped": shipped, "floor": floor_loop,
         "bare+cl": lambda: bare_loop(True), "app+cl": lambda: app(True),
         "bare+cl+compile": lambda: bare_loop(True, compile=True), "app+cl+compile": lambda: app(True, compile=True),
+        **{name: (lambda name=name: layout_epoch(name)) for name in LAYOUTS},
     }
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", nargs="*", choices=list(runners), help="contenders to run (default: all)")
+    parser.add_argument("--only", nargs="*", choices=list(runners),
+                        help="contenders to run (default: all but the layouts across processes)")
     args = parser.parse_args()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}")
-    runners = {name: fn for name, fn in runners.items() if not args.only or name in args.only}
+    runners = {name: fn for name, fn in runners.items() if name in args.only or not args.only and name not in LAYOUTS}
     rates: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):
         for name, fn in runners.items():
             rates[name].append(fn())
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()) + " images/s", flush=True)
     med = {n: statistics.median(v) for n, v in rates.items()}
-    bases = [b for b in ("seed", "bare", "bare+cl", "bare+cl+compile", "floor") if b in med]
+    bases = [b for b in ("seed", "bare", "bare+cl", "bare+cl+compile", "floor", "ddp 2x1") if b in med]
     print("\n| contender | images/s (median) | sec per 60k-image epoch | "
           + " | ".join(f"time vs {b}" for b in bases) + " |")
     print("|---|---|---|" + "---|" * len(bases))

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,54 @@ def test_profile_overlay_through_the_cli(tiny_data_dir, tmp_path, capsys):
     ea.Reload()
     assert "timeline/steps" in ea.Tags()["images"]
     assert {"timeline/rank0/compute_ms", "timeline/rank0/unattributed_ms"} <= set(ea.Tags()["scalars"])
+
+
+def test_a_pipeline_stage_idles_for_what_its_compute_does_not_cover():
+    """Two processes, one step (microseconds): rank 0 enters the schedule at 0 and leaves at 100, rank 1 enters at 5
+    and leaves at 110, so the window is 0-110; stage 0 computes 10 + 20 + 30 = 60 of it, stage 1 40 + 15 = 55 (the
+    part of a span outside the window does not count). Work spans are compute in the breakdown, the schedule's
+    own span is waiting."""
+    from src.timeline.pipeline_picture import SCHEDULE, idle_fractions, median_idle, stage_work
+
+    rank0 = [Span(SCHEDULE, 0, 100, 1, "user_annotation"), Span("dp/stage 0/forward 0", 0, 10, 1, "user_annotation"),
+             Span("dp/stage 0/forward 1", 20, 40, 1, "user_annotation"),
+             Span("dp/stage 0/backward 0", 60, 90, 1, "user_annotation")]
+    rank1 = [Span(SCHEDULE, 5, 110, 2, "user_annotation"), Span("dp/stage 1/forward 0", 10, 50, 2, "user_annotation"),
+             Span("dp/stage 1/backward weight 0", 100, 120, 2, "user_annotation")]
+    assert idle_fractions([rank0, rank1]) == [pytest.approx({0: 1 - 60 / 110, 1: 1 - 50 / 110})]
+    assert median_idle([rank0, rank1]) == pytest.approx({0: 1 - 60 / 110, 1: 1 - 50 / 110})
+    assert stage_work(rank1[2]) == (1, "backward weight", 0) and stage_work(rank0[0]) is None
+    step = Span("dp/step 0", 0, 100, 1, "user_annotation")
+    ms = classify_step([step, *rank0], step)
+    assert (ms["compute"], ms["waiting"]) == pytest.approx((0.060, 0.040))
+    with pytest.raises(ValueError, match="no pipeline schedule"):
+        median_idle([[step]])
+
+
+@pytest.mark.slow  # starts 2 processes
+@pytest.mark.parametrize("schedule, stage0, stage1", [
+    ("gpipe", "F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"),
+    ("1f1b", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3")])
+def test_a_pipelined_runs_timeline_draws_the_schedule_that_ran(tiny_data_dir, tmp_path, schedule, stage0, stage1):
+    """A real pipelined fit (2 stages, 4 micro-batches) recorded: each process's trace holds its own stage's work
+    on every micro-batch in the order of the schedule (GPipe: all forwards, then all backwards; 1F1B: stage 0 runs
+    p = 2 forwards before its first backward, the last stage alternates), the picture is drawn, and breakdown.md
+    gives each stage's idle fraction."""
+    from src.strategies import PipelineStrategy, ProcessStart
+    from src.timeline.pipeline_picture import stage_work
+    from tests.helpers.runs import START_METHOD
+
+    strategy = PipelineStrategy(cuts=["classifier"], schedule=schedule,
+                                processes=ProcessStart("gloo", start_method=START_METHOD))
+    fit(tiny_data_dir, strategy, devices=2, steps=6, batch_size=64,
+        callbacks=[StepTimeline(start_step=2, steps=3, dirpath=str(tmp_path / "tl"))])
+    for rank, expected in enumerate((stage0, stage1)):
+        spans = load_spans(tmp_path / "tl" / f"trace-rank{rank}.json")
+        step = steps_of(spans)[1]
+        work = [w for s in spans if step.start <= s.start < step.end and (w := stage_work(s)) is not None]
+        assert {w[0] for w in work} == {rank}
+        assert " ".join(f"{w[1][0].upper()}{w[2]}" for w in work) == expected
+    text = (tmp_path / "tl" / "breakdown.md").read_text()
+    idle = [float(x) for x in re.findall(r"stage \d ([0-9.]+)", text.split("idle fraction")[1])]
+    assert len(idle) == 2 and all(0 < f < 1 for f in idle), text
+    assert (tmp_path / "tl" / "timeline.png").stat().st_size > 10_000

@@ -31,12 +31,13 @@ class StepTimeline(pl.Callback):
 
     * `trace-rank<r>.json`: each process's Chrome/Perfetto trace (open in https://ui.perfetto.dev or
       chrome://tracing);
-    * `timeline.png` (also TensorBoard IMAGES `timeline/steps`): three steps, one lane per process x replica;
+    * `timeline.png` (also TensorBoard IMAGES `timeline/steps`): three steps, one lane per process x replica (a
+      pipeline: two steps' schedules, one lane per stage, `src.timeline.pipeline_picture`);
     * `breakdown.md` and `breakdown.csv`: per process, the median step split into compute, exposed
       communication, waiting, loop overhead and unattributed time (ms and fraction of the step), with the
       communication hidden behind compute (`src.timeline.breakdown` defines each); the same as TensorBoard
       scalars `timeline/rank<r>/<category>_ms`. `breakdown.md` adds the means over the same steps, which add
-      up to the mean step where the medians need not.
+      up to the mean step where the medians need not, and for a pipeline each stage's median idle fraction.
 
     Nothing is profiled or labelled outside the window. Steps count training batches of this fit (a resumed fit
     counts from its restart). A window that the fit does not reach records nothing; one cut short by the end of
@@ -163,6 +164,7 @@ def _write(trainer: pl.Trainer, traces: list[str], first_step: int, complete: in
     """Write the traces, table and picture; log the picture and scalars to TensorBoard. Returns the folder."""
     import json
 
+    from src.timeline import pipeline_picture
     from src.timeline.picture import draw
 
     root = dirpath or os.path.join(trainer.logger.log_dir if trainer.logger else trainer.default_root_dir, "timeline")
@@ -183,7 +185,14 @@ def _write(trainer: pl.Trainer, traces: list[str], first_step: int, complete: in
     rows = table_rows(medians, counts)
     (out / "breakdown.md").write_text(markdown(rows, title, table_rows(means, counts)))
     (out / "breakdown.csv").write_text(csv_text(rows))
-    figure = draw(processes, layout.replicas_per_process, title)
+    if layout.strategy == "pipeline":  # one lane per stage, its micro-batches numbered
+        figure = pipeline_picture.draw(processes, f"{layout.strategy}: {layout.model_split}")
+        idle = pipeline_picture.median_idle(processes)
+        with open(out / "breakdown.md", "a") as md:
+            md.write("\nPipeline stages' median idle fraction of the schedule's window: "
+                     + ", ".join(f"stage {s} {f:.3f}" for s, f in idle.items()) + "\n")
+    else:
+        figure = draw(processes, layout.replicas_per_process, title)
     figure.savefig(out / "timeline.png", dpi=100)
     experiment = getattr(trainer.logger, "experiment", None) if trainer.logger else None
     if hasattr(experiment, "add_figure"):

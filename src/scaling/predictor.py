@@ -17,9 +17,8 @@ band, one line per algorithm, with the measured points of the newest scaling rep
 same kind of hardware) into <out>/<model>/version_N/. See docs/forecast.md.
 """
 
-import re
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -28,18 +27,21 @@ import yaml
 from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
+from src.scaling.forecast_args import group, parse_options
 from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
-from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
-                                   shaped)
-from src.scaling.memory import OPTIMIZER_STATES
-from src.scaling.memory import PRECISIONS as MEMORY_PRECISIONS
+from src.scaling.forecast_notes import EXCHANGE_NOTE, JITTER_NOTE, network_note, sync_note
+from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, list_choices_in_help, shaped
+from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS
 from src.scaling.memory_section import MemoryPlan, answer_lines, assumptions, markdown_section, memory_plan, stage_gib
 from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
-from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
+from src.scaling.published import PRECISIONS, bounds_for
 from src.scaling.report import newest_report
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.step_precision import config_precision, precision_line
+from src.scaling.three_ways import Setting
+from src.scaling.three_ways_section import (Ways, forecast_ways, markdown_section as ways_section, table_lines,
+                                            write_csv as write_layouts)
 from src.scaling.version_folders import next_version
 
 Algorithm = Literal[ALGORITHMS]
@@ -47,8 +49,10 @@ TRAIN_IMAGES = 60_000  # Fashion-MNIST's training set, before the validation hol
 
 
 @dataclass(frozen=True)
-class Question:
+class Question(Ways):
     """What to predict.
+
+    With the three ways' options of `Ways` (--ways, --microbatches, --schedules, --cuts, --memory_budget_gib).
 
     Args:
         config: Experiment config (model.class_path / init_args give the network; data.batch_size the batch).
@@ -245,6 +249,7 @@ class Forecast:
         epoch_images: Training images per epoch.
         precision: The line saying which precision the one-device step has and why (also in `notes`).
         memory: What the model-state memory per device is computed for.
+        setting: The step's costs and sizes as the three ways take them (`src.scaling.three_ways`).
     """
 
     bands: list[BandPrediction]
@@ -255,6 +260,7 @@ class Forecast:
     epoch_images: int
     precision: str = ""
     memory: MemoryPlan | None = None
+    setting: Setting | None = None
 
 
 def predict(question: Question = Question(), user: Overrides = Overrides(),
@@ -276,7 +282,6 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     per_node = user.devices_per_node or preset.per_node
     if per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {per_node}")
-
     compute, compute_note = _compute(question, user, preset.device, net, batch, paths.calibration)
     achieved, line, intra_note, inter_note = _links(preset, user, paths.calibration)
     overlap, overlap_note = resolve_overlap(preset.device, net, user.overlap)
@@ -303,7 +308,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
                                net, user_step)
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
     notes = [
-        _network_note(net, custom, messages),
+        network_note(net, custom, messages),
         f"gradient compression between devices: {compression_note}",
         f"batch: {batch} images {scaling}; {epoch_images:,} images per epoch",
         f"compute per replica: {compute.overhead_s * 1e3:.3f} ms/step + {compute.seconds_per_image * 1e6:.2f} "
@@ -312,11 +317,12 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         f"intra-node link ({per_node} devices per node): {intra_note}",
         f"inter-node link ({achieved.nics or per_node} NICs per node, NCCL's rings over all of them): {inter_note}",
         f"overlap of exchange with backward: {overlap_note}; the range takes none (low) to full (high)",
-        _JITTER_NOTE,
-        _sync_note(user.sync_overhead, question.precision, bounds),
-        _EXCHANGE_NOTE,
+        JITTER_NOTE,
+        sync_note(user.sync_overhead, question.precision, bounds),
+        EXCHANGE_NOTE,
     ]
-    return Forecast(bands, notes, net, model, batch, epoch_images, precision, memory)
+    return Forecast(bands, notes, net, model, batch, epoch_images, precision, memory,
+                    Setting(compute, achieved, per_node, memory.sizes, *bounds.mid(), overlap, messages))
 
 
 def _memory(question: Question, parameters: int) -> MemoryPlan:
@@ -347,40 +353,6 @@ def _network_and_batch(question: Question, user: Overrides) -> tuple[Network, in
     return net, batch, epoch_images
 
 
-def _network_note(net: Network, custom: bool, messages: int) -> str:
-    """The assumption line about the network: its size, its gradients and where the numbers come from."""
-    source = ("[user: --network_params, --grad_bytes]" if custom else
-              f"[measured: counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image "
-              "(conv + dense, backward = 2x forward)")
-    return (f"network: {net.class_name}, {net.parameters:,} parameters, {net.gradient_bytes:,} bytes of "
-            f"{'/'.join(net.gradient_dtypes)} gradients per replica in {messages} allreduce call(s) per step "
-            + source)
-
-
-def _sync_note(user_overhead: float | None, precision: str | None, bounds: Bounds) -> str:
-    """The assumption line about the sync overhead: the user's figure, or the fitted range for `precision`."""
-    what = "sync overhead (data-parallel hooks and bucket copies, processes sharing one host)"
-    if user_overhead is not None:
-        return f"{what}: {user_overhead:.1%} of the compute once devices > 1 [user: --sync_overhead]"
-    fits = "; ".join(f"{f.precision}: {f.bounds[0]:.1%} to {f.bounds[1]:.1%} (mean {f.mean:.1%} of "
-                     f"{len(f.implied)} rows)" for f in fit_sync().values())
-    return (f"{what}, precision {precision or 'unknown (both kinds)'}: {bounds.sync_overhead[0]:.1%} to "
-            f"{bounds.sync_overhead[1]:.1%} of the compute once devices > 1 [published: fitted on the calibration "
-            f"rows of src/scaling/calibration/published_scaling.csv, a {LEVEL:.0%} prediction interval per kind: "
-            f"{fits}]")
-
-
-_JITTER_NOTE = (f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard "
-                "deviation) and the step waits for the slowest, E[max of p normals] x that [assumed: p50 and p95 "
-                "step times of https://github.com/pytorch/pytorch/blob/main/benchmarks/distributed/ddp/README.md "
-                "differ by 0 to 5%]")
-_EXCHANGE_NOTE = ("exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring "
-                  "across nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no "
-                  "overlap and the upper jitter and sync bounds, its high end line rates, full overlap and the lower "
-                  "bounds; network congestion, tree / NVLS algorithms and memory limits are not modelled (the model "
-                  "state per device has its own section)")
-
-
 def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
     """Predict images/s and efficiency of `question.config` on its hardware for each device count and algorithm.
 
@@ -388,7 +360,8 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     (`src.scaling.step_precision.precision_line`), with --memory_gib the fewest devices whose model state fits
     per ZeRO stage (`src.scaling.memory_section.answer_lines`), and writes forecast.md (with the model-state
     memory per device), forecast.csv and forecast.png into a new <out>/<model>/version_N/ (nothing is written if
-    an input is bad).
+    an input is bad). With --ways or --memory_budget_gib it also prints and writes (forecast.md, layouts.csv) the
+    layouts of data, pipeline and tensor parallelism (`src.scaling.three_ways_section`).
 
     Args:
         question: Config, hardware preset, device counts, algorithms and batch.
@@ -401,20 +374,26 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     Raises:
         ValueError: Unknown preset or link (the valid ones are listed), a device count < 1, a batch size < 1,
             a missing calibration file (with the command that makes it), a config without a model, a
-            --memory_gib that is not > 0, or a config optimizer of unknown state size.
+            --memory_gib that is not > 0, a config optimizer of unknown state size, or a layout the network or
+            the batch cannot take (`src.scaling.three_ways_section.predict_ways`).
     """
     result = predict(question, user, paths)
+    custom = question.network_params is not None
+    layouts = forecast_ways(question, None if custom else _experiment(question.config), question.devices,
+                            result.batch, question.batch_mode, result.setting) if question.asked else []
     preset = hardware_preset(question.hardware)
     rows = [forecast_row(b, result.epoch_images, stage_gib(result.memory, b.point.devices)) for b in result.bands]
     root = next_version(Path(paths.out) / result.model)
     root.mkdir(parents=True)
-    custom = question.network_params is not None
     measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / result.model,
                                                                        "cpu" if preset.device == "cpu" else "gpu")
     title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
     write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "",
-                   markdown_section(result.memory, question.devices))
+                   markdown_section(result.memory, question.devices)
+                   + (["", *ways_section(layouts, question.memory_budget_gib)] if layouts else []))
     write_csv(rows, root)
+    if layouts:
+        write_layouts(layouts, root)
     write_plot(rows, root, title, measured)
     for r in rows:
         print(f"{r.algorithm:>16} {r.devices:>6} devices: {r.step_ms:9.3f} ms/step, {r.images_per_s:>13,.0f} "
@@ -425,51 +404,17 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
         print(f"model state per device (activations, buffers and fragmentation not included): "
               f"{assumptions(result.memory)}")
         print("\n".join(answers))
-    print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png")
+    if layouts:
+        print("\n".join(table_lines(layouts, question.memory_budget_gib)))
+    print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png{', layouts.csv' * bool(layouts)}")
     return root
-
-
-def _group(cls: type, options: dict):
-    return cls(**{f.name: options[f.name] for f in fields(cls)})
-
-
-def _not_a_choice(text: str) -> str | None:
-    """"--optimizer 'lamb' is not one of sgd, sgd_momentum, adam, adamw" for jsonargparse's message about a value
-    that an option with choices does not take; None for any other message."""
-    key = re.search(r'Parser key "(\w+)"', text)
-    choices = re.search(r"Expected a typing\.Literal\[([^\]]*)\]", text)
-    value = re.search(r"Given value: (\S+)|Got value: (\S+)", text)
-    if not (key and choices and value):
-        return None
-    names = [c.strip().strip("'\"") for c in choices.group(1).split(",")]
-    given = (value.group(1) or value.group(2)).strip("'\"")
-    return f"--{key.group(1)} {given!r} is not one of {', '.join(names)}{did_you_mean(given, names)}"
-
-
-def _parse(parser: object, args: list[str]) -> dict:
-    """`parser.parse_args(args)` as a dict; a bad option ends in one line naming the nearest valid ones.
-
-    Raises:
-        SystemExit: Code 2 after the line on stderr.
-    """
-    from jsonargparse import ArgumentError
-
-    try:
-        return parser.parse_args(args).as_dict()
-    except ArgumentError as err:
-        unknown = re.search(r"unrecognized arguments: --([\w-]+)", str(err))
-        options = [f"--{a.dest}" for a in parser._actions if a.dest not in ("help", "config")]
-        hint = did_you_mean(f"--{unknown.group(1).replace('-', '_')}", options) if unknown else ""
-        text = _not_a_choice(str(err)) or " ".join(str(err).split())
-        print(f"python -m src.forecast: error: {text}{hint} (--help lists every option)", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def main(args: list[str] | None = None) -> Path:
     """Parse `args` (default sys.argv[1:]) and run the forecast, or the calibration with --calibrate.
 
-    Every option is a field of `Question`, `Overrides`, `Paths` or `Calibration`, under its own name (--config,
-    --alpha_s, --calibration, --calibrate, ...); `python -m src.forecast --help` lists them.
+    Every option is a field of `Question` (with those of `Ways`), `Overrides`, `Paths` or `Calibration`, under its
+    own name (--config, --alpha_s, --calibration, --calibrate, ...); `python -m src.forecast --help` lists them.
 
     Returns:
         The output folder, or the calibration file with --calibrate.
@@ -481,23 +426,23 @@ def main(args: list[str] | None = None) -> Path:
 
     # not jsonargparse.CLI: it reserves --config for its own config files, and here --config is the experiment
     parser = ArgumentParser(prog="python -m src.forecast", description=__doc__.split("\n\n")[0], exit_on_error=False)
-    for group in (Question, Overrides, Paths, Calibration):
-        parser.add_class_arguments(group, None)
+    for options_of in (Question, Overrides, Paths, Calibration):
+        parser.add_class_arguments(options_of, None)
     list_choices_in_help(parser)
     args = list(sys.argv[1:] if args is None else args)
     # a bare --calibrate is a flag; jsonargparse's bool options want a value
     args = [a for i, a in enumerate(args) for a in (
         ["--calibrate", "true"] if a == "--calibrate" and (i + 1 == len(args) or args[i + 1].startswith("--"))
         else [a])]
-    options = _parse(parser, args)
-    paths, calibration = _group(Paths, options), _group(Calibration, options)
+    options = parse_options(parser, args)
+    paths, calibration = group(Paths, options), group(Calibration, options)
     try:
         if calibration.calibrate:
             from src.scaling.calibrate import calibrate
 
             return calibrate(paths.calibration, calibration.calibrate_configs, calibration.calibrate_processes,
                              calibration.calibrate_repeats)
-        return run_forecast(_group(Question, options), _group(Overrides, options), paths)
+        return run_forecast(group(Question, options), group(Overrides, options), paths)
     except ValueError as err:
         print(f"python -m src.forecast: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

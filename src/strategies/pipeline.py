@@ -91,6 +91,12 @@ class PipelineStrategy(ModelSplitStrategy):
         """The rank within its pipeline of each stage."""
         return stage_ranks(self.copy_size * self.per_process, self.copy_size)
 
+    @property
+    def chosen_cuts(self) -> list[str] | None:
+        """The block each later stage begins with, by name, once the first batch fixed them (`auto`'s choice);
+        None before."""
+        return None if self._starts is None else [self._blocks[i][0] for i in self._starts]
+
     def parallel_layout(self) -> ParallelLayout:
         """P processes, each pipeline's holding one model between them, as the epoch line, run names and the
         DataModule read it."""

@@ -15,6 +15,7 @@ batches accumulated too, so it is off.
 """
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+
+from src.timeline import labels
 
 #: our schedule names -> torch's (`torch.distributed.pipelining.schedules.get_schedule_class`)
 # torch's ZBVZeroBubble is left out: in torch 2.14.1 its evaluation fails ("can't steal_bwd_input if this stage
@@ -60,6 +63,25 @@ def microbatches_for(batch: int, wanted: int, processes: int = 1, interleaved: b
     def fits(m: int) -> bool:
         return batch % m == 0 and (not interleaved or m % max(1, m // processes) == 0)
     return max(m for m in range(1, min(wanted, batch) + 1) if fits(m))
+
+
+class LabelledStage(PipelineStage):
+    """torch's `PipelineStage` whose work on each micro-batch is a step-timeline span: `dp/stage s/forward i`,
+    `dp/stage s/backward i` and, under the zero-bubble schedules, `dp/stage s/backward weight i` (see
+    `src.timeline.labels`: no-ops unless a timeline records). The spans hold the stage's compute only; torch's
+    schedules receive before and send after them."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with labels.phase(f"stage {self.stage_index}/forward {fwd_chunk_id}"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with labels.phase(f"stage {self.stage_index}/backward {bwd_chunk_id}"):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with labels.phase(f"stage {self.stage_index}/backward weight {bwd_chunk_id}"):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 class PipelinedNet(nn.Module):
@@ -101,7 +123,7 @@ class PipelinedNet(nn.Module):
         if key not in self._schedules:
             ranks = self._placement.ranks
             m = microbatches_for(batch, self._n_microbatches, max(ranks) + 1, self._several)
-            stages = [PipelineStage(module, index, len(ranks), device, group=self._placement.group)
+            stages = [LabelledStage(module, index, len(ranks), device, group=self._placement.group)
                       for index, module in self._stage]
             loss = (lambda out, y, scale=m * self._accumulate: self._loss_fn(out, y) / scale) if training else None
             self._schedules[key] = self._schedule_class(stages if self._several else stages[0], n_microbatches=m,
@@ -119,7 +141,9 @@ class PipelinedNet(nn.Module):
         ranks, rank = self._placement.ranks, self._placement.rank
         first, last = ranks[0] == rank, ranks[-1] == rank
         kwargs: dict[str, Any] = {"target": self.target, "losses": []} if training and last else {}
-        out = run(x, **kwargs) if first else run(**kwargs)
+        # a training step's schedule is a timeline span: the part no stage's compute covers is its bubble
+        with labels.phase(labels.PIPELINE_WAIT) if training else nullcontext():
+            out = run(x, **kwargs) if first else run(**kwargs)
         # in the input's dtype on every process (under autocast the last stage's logits may be lower)
         logits = out.detach().to(x.dtype) if last else torch.empty((len(x), *self._outputs), dtype=x.dtype,
                                                                     device=x.device)

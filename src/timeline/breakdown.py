@@ -4,12 +4,14 @@ A step is one `dp/step N` span of the training loop's thread (`src.callbacks.Ste
 training batch's start and closes it at the next one's, so a step holds the loop's work and data loading too).
 Each instant of it is put in exactly one category, from the spans active on that thread at that instant:
 
-* **waiting**: inside a `dp/wait/...` span (waiting for the other processes' count of the global batch);
+* **waiting**: inside a `dp/wait/...` span (waiting for the other processes' count of the global batch, or, in a
+  pipeline's schedule, for another stage's activations or gradients: the bubble);
 * **communication** (exposed): inside a communication span on the loop's thread (our `dp/allreduce ...`,
   `dp/scatter`, `dp/gather`, `dp/sync buffers`, or a `gloo:`/`nccl:`/`c10d::` operator), or inside a compute
   span while no operator runs there and a collective runs on another thread (e.g. DDP waiting for its bucket
   allreduce at the end of backward);
 * **compute**: inside a forward, backward or optimizer span (`dp/forward`, `dp/backward...`, `dp/replica k/...`,
+  a pipeline stage's `dp/stage s/...`,
   torch's `Optimizer.step#...` and `Optimizer.zero_grad#...`) otherwise;
 * **loop overhead**: inside a `dp/loop` span (the Lightning loop between two steps: callbacks, logging,
   progress bar) or torch's `enumerate(DataLoader)...` span (fetching the next batch);
@@ -74,7 +76,7 @@ def category_of(name: str) -> str | None:
     if name.startswith(("dp/allreduce", "dp/reduce-scatter", "dp/all-gather", "dp/scatter", "dp/gather",
                         "dp/sync buffers", "dp/broadcast parameters")) or is_comm_op(name):
         return "communication"
-    if name.startswith(("dp/forward", "dp/backward", "dp/replica ", "dp/optimizer", "Optimizer.step#",
+    if name.startswith(("dp/forward", "dp/backward", "dp/replica ", "dp/stage ", "dp/optimizer", "Optimizer.step#",
                         "Optimizer.zero_grad#")):
         return "compute"
     if name.startswith(("dp/loop", "enumerate(DataLoader)")):

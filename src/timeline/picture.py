@@ -32,7 +32,7 @@ def phase_of(name: str) -> str | None:
     what = category_of(name)
     if what != "compute":
         return what
-    if name.endswith("/forward") or "/validation" in name or "/test" in name:
+    if name.endswith("/forward") or "/forward " in name or "/validation" in name or "/test" in name:
         return "forward"
     if "backward" in name:
         return "backward"

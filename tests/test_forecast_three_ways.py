@@ -1,0 +1,350 @@
+"""The forecast's three ways (data, pipeline and tensor parallelism): the formulas on a hand-made network, the network
+profile against the strategies' own code (tensor_plans under a fake process group, the pipeline's stage modules,
+torch's warm-up counts), the command line's table, files and one-line errors, and the comparison with measured rows.
+CPU only, no data files and no process started; a few seconds each (ResNet-18 is built a few times)."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from src.models.classifier import LeNetClassifier, ResNet18Classifier
+from src.scaling.cost_model import Compute, Link, Links, ring_allreduce_s
+from src.scaling.layer_profile import profile_network
+from src.scaling.memory import bytes_per_element, model_state_bytes
+from src.scaling.net_profile import Block, Exchange, NetProfile, Param, Saved, check_shares, saved_bytes, stage_saved
+from src.scaling.predictor import main
+from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble_fraction, in_flight
+from src.scaling.three_ways import Layout, Setting, predict_layout
+from src.scaling.three_ways_measured import compare_with_measured, load_measured
+
+LENET, RESNET = "src.models.classifier.LeNetClassifier", "src.models.classifier.ResNet18Classifier"
+FP32_MOMENTUM = bytes_per_element("sgd_momentum", "fp32")
+
+
+def _toy() -> NetProfile:
+    """4 blocks of one multiply-add per sample each; block 1 split by outputs (4 channels) with one saved share."""
+    saved = (Saved(0, 100), Saved(0, 10), Saved(0, 20, split=True), Saved(0, 30), Saved(0, 5))
+    blocks = tuple(Block(f"b{i}", (Param(f"b{i}.weight", (4, 2), 0 if i == 1 else None),), 1.0,
+                         1.0 if i == 1 else 0.0, frozenset({i}), 8) for i in range(4))
+    return NetProfile("ToyClassifier", "Toy", blocks, saved, frozenset({4}), 4, {"b1": "out"},
+                      (Exchange("b1", "forward", 16),), {"b1": 4})
+
+
+def _setting(alpha: float = 0.0, beta: float = 0.0) -> Setting:
+    """One second per image and nothing else: no overhead, no jitter or sync, 8 processes per node."""
+    return Setting(Compute(0.0, 1.0), Links(Link(alpha, beta)), 8, FP32_MOMENTUM)
+
+
+def test_bubble_and_micro_batches_in_flight():
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)  # GPipe / 1F1B: (p - 1) / (m + p - 1)
+    assert bubble_fraction(4, 8, per_process=2) == pytest.approx(3 / 19)  # interleaved: (p - 1) / (v·m + p - 1)
+    assert bubble_fraction(1, 4) == 0
+    with pytest.raises(ValueError, match="must be >= 1"):
+        bubble_fraction(2, 0)
+    assert in_flight("gpipe", 0, 4, 8) == [0] * 8
+    assert [len(in_flight("1f1b", s, 4, 8)) for s in range(4)] == [4, 3, 2, 1]  # p - s
+    assert [len(in_flight("1f1b", s, 4, 2)) for s in range(4)] == [2, 2, 2, 1]  # at most m
+
+
+@pytest.mark.parametrize("schedule, factor", [("interleaved_1f1b", 2), ("interleaved_zero_bubble", 1)])
+def test_interleaved_peak_is_torch_s_warm_up_plus_one(schedule, factor):
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    for p, m in ((2, 4), (2, 8), (4, 4), (4, 8)):
+        per_round = m // max(1, m // p)
+        for rank in range(p):
+            warm = _get_warmup_ops(rank, 2, per_round, p, m, factor)
+            assert len(in_flight(schedule, rank, p, m)) == min(warm + 1, 2 * m)
+
+
+def test_the_schedules_are_the_pipeline_strategy_s():
+    from src.strategies.pipeline_net import SCHEDULES as STRATEGY_SCHEDULES, SEVERAL_PER_PROCESS
+
+    assert set(SCHEDULES) == set(STRATEGY_SCHEDULES)
+    assert {s for s, v in STAGES_PER_PROCESS.items() if v == 2} == set(SEVERAL_PER_PROCESS)
+
+
+def test_pipeline_of_two_equal_stages_by_hand():
+    fig = predict_layout(_toy(), Layout("pipeline", 2, 1, 0, "gpipe", 4, (2,)), 8, _setting())
+    # micro-batches of 2 samples; each stage half the multiply-adds: 1 s per micro-batch; window (m + p - 1) x 1 s
+    assert fig.step_s == pytest.approx(5.0) and fig.bubble == pytest.approx(0.2)
+    assert [r.idle_fraction for r in fig.ranks] == pytest.approx([0.2, 0.2])  # = the bubble, stages equal
+    r0, r1 = fig.ranks
+    assert (r0.parameters, r0.gradients, r0.optimizer_state) == (64, 64, 64)  # 2 blocks x 8 elements x 4 bytes
+    # a micro-batch on stage 0: saved 2 x (100 + 10) + the output it sent, kept for backward, 2 x 8; GPipe holds 4
+    assert r0.activation_peak == 4 * 236
+    assert r1.activation_peak == 4 * 2 * (20 + 30 + 5)  # the last stage's saved tensors and the loss's
+    assert r0.bytes_sent_per_step == 4 * 2 * 8  # activations forward
+    assert r1.bytes_sent_per_step == 4 * 2 * 8 + 8 * 4  # gradients back + the logits' broadcast
+    assert r0.buffers == r1.buffers == 4 * 2 * 8  # one receive buffer per micro-batch
+    one_f = predict_layout(_toy(), Layout("pipeline", 2, 1, 0, "1f1b", 4, (2,)), 8, _setting())
+    assert [r.activation_peak for r in one_f.ranks] == [2 * 236, 1 * 110]  # min(m, p - s) micro-batches
+    assert one_f.step_s == fig.step_s
+
+
+def test_pipeline_transfers_are_on_the_critical_path_and_uneven_stages_wait():
+    slow = predict_layout(_toy(), Layout("pipeline", 2, 1, 0, "gpipe", 4, (2,)), 8, _setting(alpha=0.1))
+    # the boundary's transfer, forward and back, on the fill and on each stage's period; the logits' broadcast
+    assert slow.step_s == pytest.approx(1 + 1 + 2 * 0.1 + 3 * (1 + 2 * 0.1) + 0.1)
+    uneven = predict_layout(_toy(), Layout("pipeline", 2, 1, 0, "gpipe", 4, (3,)), 8, _setting())
+    assert uneven.step_s == pytest.approx(1.5 + 0.5 + 3 * 1.5)  # stages of 3 and 1 blocks: sum + (m - 1) x slowest
+    assert uneven.ranks[1].idle_fraction == pytest.approx(1 - 4 * 0.5 / 6.5)
+
+
+def test_tensor_parallel_by_hand():
+    fig = predict_layout(_toy(), Layout("tensor_parallel", 2), 8, _setting(beta=1e-3))
+    r = fig.ranks[0]
+    assert r.parameters == 4 * (3 * 8 + 8 // 2)  # the split block's half, the others whole
+    assert r.activation_peak == 8 * (100 + 10 + 20 / 2 + 30 + 5)
+    assert r.bytes_sent_per_step == 16 * 8  # 2(P - 1)/P·n with n = 128 bytes: n for P = 2
+    compute = 8 * (0.75 + 0.25 / 2)
+    assert fig.step_s == pytest.approx(compute + ring_allreduce_s(2, 128, Link(0.0, 1e-3)))
+    with pytest.raises(ValueError, match=r"splits b1 \(4 channels or units\) into 3 equal shares.*: 2, 4"):
+        check_shares(_toy(), 3)
+
+
+def test_copies_side_by_side_average_their_gradients():
+    fig = predict_layout(_toy(), Layout("tensor_parallel", 4, 2), 8, _setting())
+    local = 4 * (3 * 8 + 4)
+    assert fig.ranks[0].bytes_sent_per_step == pytest.approx(16 * 4 + (local + 4))  # 4 samples each; the average
+    assert fig.ranks[0].activation_peak == 4 * (100 + 10 + 10 + 30 + 5)
+    pipe = predict_layout(_toy(), Layout("pipeline", 4, 2, 0, "gpipe", 2, (2,)), 8, _setting())
+    assert [r.rank for r in pipe.ranks] == [0, 1, 2, 3]  # pipeline 0 holds ranks 0 and 1, pipeline 1 ranks 2 and 3
+    assert pipe.ranks[2].parameters == pipe.ranks[0].parameters == 64
+    assert pipe.ranks[0].bytes_sent_per_step == 2 * 2 * 8 + (64 + 4)  # 2 micro-batches of 2 samples; the average
+
+
+def test_data_parallel_model_state_is_zero_s():
+    lenet = profile_network(LENET)
+    for stage in range(4):
+        fig = predict_layout(lenet, Layout("data", 2, 1, stage), 128, _setting())
+        assert fig.ranks[0].model_state == model_state_bytes(129_068, 2, stage, FP32_MOMENTUM)
+    assert fig.ranks[0].bytes_sent_per_step == 1.5 * 129_068 * 4  # stage 3 gathers the parameters too
+
+
+def test_lenet_pipeline_cut_at_features_3():
+    lenet = profile_network(LENET)
+    fig = predict_layout(lenet, Layout("pipeline", 2, 1, 0, "gpipe", 4, (3,)), 128, _setting())
+    assert fig.stages == ("features.0-features.2", "features.3-classifier.3")
+    assert fig.ranks[0].parameters == 200 * 4 and fig.ranks[1].parameters == (129_068 - 200) * 4
+    boundary = 20 * 13 * 13 * 4 * 128  # the pooled conv1 output, the whole batch, forward (and its gradient back)
+    assert fig.ranks[0].bytes_sent_per_step == boundary
+    assert fig.ranks[1].bytes_sent_per_step == boundary + 10 * 4 * 128  # + the logits to rank 0
+
+
+@pytest.mark.parametrize("cls, starts", [(LeNetClassifier, (3,)), (LeNetClassifier, (2,)),
+                                         (ResNet18Classifier, (5,))])
+def test_stage_activations_are_what_autograd_saves_in_the_strategy_s_stage(cls, starts):
+    from src.strategies.pipeline_stages import named_blocks, stage_module
+
+    module = cls()
+    net = module.net.train()
+    blocks = named_blocks(net)
+    profile = profile_network(f"{cls.__module__}.{cls.__name__}")
+    exclude = {t.untyped_storage().data_ptr() for t in (*net.parameters(), *net.buffers())}
+    x, micro = torch.randn(3, 1, 28, 28), 3
+    for stage in range(2):
+        seen = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in exclude and s.nbytes():
+                seen[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = stage_module(blocks, list(starts), stage)(x.detach().requires_grad_(stage > 0))
+            if stage == 1:
+                module.loss_fn(y, torch.zeros(micro, dtype=torch.long))
+        bounds = [0, *starts, len(blocks)]
+        want = saved_bytes(profile, stage_saved(profile, bounds[stage], bounds[stage + 1], stage == 1), micro)
+        assert sum(seen.values()) == pytest.approx(want, rel=1e-9)
+        x = y
+
+
+@pytest.fixture
+def fake_world():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cls", [LeNetClassifier, ResNet18Classifier])
+def test_profile_splits_as_tensor_plans_do(cls, fake_world):
+    """Under a fake process group of 2, the strategy's own plan: every local share, the saved activations and
+    every allreduce DTensor makes, forward and backward, against the profile's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from src.strategies.tensor_plans import apply_plan
+
+    class Allreduces(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) == "_c10d_functional.all_reduce.default":
+                self.sizes.append(args[0].numel() * args[0].element_size())
+            return func(*args, **(kwargs or {}))
+
+    module = cls()
+    net = module.net.train()
+    apply_plan(net, init_device_mesh("cpu", (2,)))
+    profile = profile_network(f"{cls.__module__}.{cls.__name__}")
+    local = {name: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for name, p in net.named_parameters()}
+    predicted = {p.name: tuple(s // 2 if d == p.split_dim else s for d, s in enumerate(p.shape))
+                 for b in profile.blocks for p in b.params}
+    assert predicted == local
+    exclude = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+               for t in (*net.parameters(), *net.buffers())}
+    seen = {}
+
+    def pack(t):
+        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if s.data_ptr() not in exclude and s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with Allreduces() as calls:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = module.loss_fn(net(torch.randn(4, 1, 28, 28)), torch.zeros(4, dtype=torch.long))
+        loss.backward()
+    assert sorted(calls.sizes) == sorted(e.per_sample * 4 for e in profile.exchanges)
+    assert sum(seen.values()) == saved_bytes(profile, range(len(profile.saved)), 4, 2)
+
+
+def _calibration(path):
+    fit = {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9, "samples": [[2, 4096, 4e-4], [2, 2**20, 1.4e-3]],
+           "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}
+    compute = {"overhead_s": 0.004, "seconds_per_image": 50e-6, "threads": 1, "samples": [[32, 0.0056], [256, 0.0168]],
+               "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}
+    path.write_text(json.dumps({"date": "2000-01-01", "hardware": "synthetic", "allreduce": {"torch": fit, "ring": fit},
+                                "compute": {"LeNetClassifier": compute}}))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model:\n  class_path: src.models.classifier.LeNetClassifier\n  init_args: {lr: 0.1}\n"
+                      "data:\n  batch_size: 8\n  val_size: 100\n")
+    return ["--config", str(config), "--calibration", str(_calibration(tmp_path / "cal.json")), "--out",
+            str(tmp_path / "fc"), "--algorithms", "[ring]", "--batch_mode", "global"]
+
+
+def test_cli_table_files_and_the_fastest_layout_that_fits(tiny, capsys):
+    out = main([*tiny, "--devices", "[1, 2, 4]", "--ways", "[data, pipeline, tensor]", "--schedules",
+                "[gpipe, 1f1b]", "--memory_budget_gib", "0.0015"])
+    printed = capsys.readouterr().out
+    assert "three ways on 2 devices, global batch 8" in printed and "pipeline 2 1f1b m4" in printed
+    assert "pipeline 2x2 gpipe m4" in printed and "tensor 2x2" in printed  # side by side on 4 devices
+    assert "fastest that fits in 0.0015 GiB on 2 devices: " in printed
+    rows = list(csv.DictReader(open(out / "layouts.csv")))
+    assert {r["layout"] for r in rows if r["devices"] == "2"} == {
+        "data ZeRO-0", "data ZeRO-1", "data ZeRO-2", "data ZeRO-3", "pipeline 2 gpipe m4", "pipeline 2 1f1b m4",
+        "tensor 2"}
+    tensor = next(r for r in rows if r["layout"] == "tensor 2" and r["rank"] == "1")
+    assert int(tensor["parameters"]) == 64_564 * 4  # LeNet's shares (tensor_plans.lenet_plan)
+    assert int(tensor["bytes_sent_per_step"]) == (16_200 + 3_200 + 40) * 8
+    md = (out / "forecast.md").read_text()
+    assert "## Three ways: data, pipeline and tensor parallelism" in md and "| pipeline 2 gpipe m4 | 0 |" in md
+    fits = [r for r in rows if r["devices"] == "2" and int(r["total"]) <= 0.0015 * 2**30]
+    fastest = min((float(r["step_ms"]), r["layout"]) for r in fits
+                  if all(int(o["total"]) <= 0.0015 * 2**30 for o in rows if o["layout"] == r["layout"]
+                         and o["devices"] == "2"))
+    assert f"2 devices: {fastest[1]}, " in printed
+
+
+def test_cli_cuts_by_name_and_nothing_that_fits(tiny, capsys):
+    out = main([*tiny, "--devices", "[2]", "--ways", "[pipeline]", "--cuts", "[features.3]", "--memory_budget_gib",
+                "1e-6"])
+    printed = capsys.readouterr().out
+    assert "features.0-features.2 | features.3-classifier.3" in printed
+    assert "nothing fits in 1e-06 GiB on 2 devices: the least is pipeline 2 1f1b m4" in printed
+    assert (out / "layouts.csv").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "[2]", "--ways", "[pipeline]", "--microbatches", "3"],
+     "pipeline: 3 micro-batches do not divide the batch of 8 samples each pipeline gets"),
+    (["--devices", "[2]", "--ways", "[pipeline]", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+    (["--devices", "[11]", "--batch_size", "44", "--ways", "[pipeline]"],
+     "pipeline: 11 stages (11 processes x 1 under gpipe) but LeNet has 10 blocks"),
+    (["--devices", "[7]", "--batch_size", "28", "--ways", "[pipeline]", "--schedules", "[interleaved_1f1b]"],
+     "pipeline: 14 stages (7 processes x 2 under interleaved_1f1b) but LeNet has 10 blocks"),
+    (["--devices", "[3]", "--batch_size", "9", "--ways", "[tensor]"],
+     "tensor parallelism splits features.0 (20 channels or units) into 3 equal shares"),
+    (["--devices", "[2]", "--ways", "[pipeline]", "--cuts", "[features.9]"],
+     "pipeline cut 'features.9' names no block of the network"),
+    (["--devices", "[4]", "--ways", "[pipeline]", "--cuts", "[features.3, classifier]"],
+     "pipeline: 2 cut(s) make 3 stages, but 4 processes under gpipe run 4"),
+    (["--devices", "[2]", "--ways", "[pipeline]", "--cuts", "[features.3"], "--cuts '[features.3' is neither auto"),
+    (["--devices", "[2]", "--memory_budget_gib", "0"], "--memory_budget_gib must be > 0"),
+    (["--devices", "[2]", "--ways", "[dta]"], "--ways 'dta' is not one of data, pipeline, tensor"),
+])
+def test_bad_input_gives_one_line(tiny, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as err:
+        main([*tiny, *args])
+    text = capsys.readouterr().err
+    assert err.value.code == 2, text
+    assert message in text and text.count("\n") == 1 and text.startswith("python -m src.forecast: error:"), text
+    assert not (tmp_path / "fc").exists()  # nothing written
+
+
+def test_ways_need_the_network_s_layers(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--network_params", "1000", "--measured_images_per_s", "100", "--hardware", "gpu-pcie3", "--devices",
+              "[2]", "--ways", "[data]", "--out", str(tmp_path / "fc")])
+    assert "need the network's layers: give --config" in capsys.readouterr().err
+
+
+def _measured(path, rows):
+    path.write_text(json.dumps({"date": "2026-11-29", "hardware": "test", "torch": "2.14.1", "rows": rows}))
+    return path
+
+
+def test_compare_with_measured_rows(tmp_path):
+    # the model state counted from LeNet's tensors; the traffic and the resident set as a measurement might give
+    stage = {"rank": 0, "parameters": 800, "gradients": 800, "optimizer_state": 800, "activation_peak": 3_000_000,
+             "bytes_sent_per_step": 1_900_000, "idle_fraction": 0.8}
+    tensor = {"rank": 1, "parameters": 258_256, "gradients": 258_256, "optimizer_state": 258_256,
+              "activation_peak": 20_000_000, "bytes_sent_per_step": 2_600_000, "idle_fraction": None}
+    path = _measured(tmp_path / "three_ways.json", [
+        {"model": "lenet", "way": "pipeline", "schedule": "1f1b", "processes": 2, "batch": 128, "microbatches": 4,
+         "cuts": ["features.3"], "precision": "32-true", "optimizer": "sgd_momentum", "per_rank": [stage],
+         "step_ms": 60.0, "step_ratio": 1.3, "bubble": 0.2},
+        {"model": "lenet", "way": "tensor_parallel", "schedule": None, "processes": 2, "batch": 128,
+         "microbatches": None, "cuts": None, "precision": "32-true", "optimizer": "sgd_momentum",
+         "per_rank": [tensor], "step_ms": 30.0, "step_ratio": 0.8, "bubble": None}])
+    out = compare_with_measured(path)
+    by = {(e["row"], e["rank"], e["quantity"]): e for e in out}
+    assert by[0, 0, "parameters"]["relative_error"] == 0 and by[0, 0, "parameters"]["within"] is True
+    sent = by[0, 0, "bytes_sent_per_step"]
+    assert sent["predicted"] == 1_730_560 and sent["relative_error"] == pytest.approx(1_730_560 / 1_900_000 - 1)
+    assert sent["within"] is True
+    assert by[0, None, "bubble"]["predicted"] == pytest.approx(0.2) and by[0, None, "bubble"]["within"]
+    assert by[0, None, "step_ms"]["within"] is None and by[0, None, "step_ms"]["relative_error"] is not None
+    assert by[1, 1, "optimizer_state"]["within"] is True and by[1, 1, "activation_peak"]["within"] is False
+    assert by[1, 1, "idle_fraction"]["relative_error"] is None
+    assert {e["quantity"] for e in out} == {"parameters", "gradients", "optimizer_state", "activation_peak",
+                                            "bytes_sent_per_step", "idle_fraction", "step_ms", "step_ratio", "bubble"}
+
+
+def test_measured_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="run benchmarks/three_ways.py"):
+        load_measured(tmp_path / "absent.json")
+    with pytest.raises(ValueError, match="row 0 lacks per_rank"):
+        load_measured(_measured(tmp_path / "m.json", [{"model": "lenet", "way": "data", "processes": 2, "batch": 8,
+                                                       "step_ms": 1.0}]))
+    with pytest.raises(ValueError, match="row 0 has model 'vgg'"):
+        load_measured(_measured(tmp_path / "m.json", [{"model": "vgg", "way": "data", "processes": 2, "batch": 8,
+                                                       "per_rank": [], "step_ms": 1.0}]))
