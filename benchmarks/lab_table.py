@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import yaml
@@ -46,6 +47,9 @@ PROCESSES = "configs/strategy/split_allreduce_processes.yaml"
 MODELS = {"lenet": ("configs/lenet.yaml", 256), "resnet18": ("configs/resnet18.yaml", 64)}
 STEP_TIMES = ("--trainer.callbacks+=benchmarks.lab_table.StepTimes",)
 
+# the pipeline's cut in the lab: the one its `auto` takes on this CPU (benchmarks/three_ways.py), fixed so that the
+# forecast predicts the same stages
+PIPELINE_CUTS = {"lenet": "[features.3]", "resnet18": "[stages.2]"}
 SMALL_BUCKET_MB = {"lenet": 0.0625, "resnet18": 4.0}  # the second bucket size: several buckets per step
 COMPRESSED = ("bf16", "powersgd r1", "powersgd r2", "powersgd r4")
 # PowerSGD's exact warm-up steps in the compressed layouts: 2, the fewest torch's hook takes with error feedback
@@ -155,15 +159,22 @@ def bucket_mb(name: str) -> float | None:
     return None
 
 
-def layout_args(name: str) -> list[str]:
-    """CLI arguments of a layout name: "ours" or "ddp", then any of "overlap" (ours), "torch" (ours: the backend's
-    allreduce between processes), a bucket size ("64KB", "4MB") and a compression ("bf16", "powersgd r2").
+def layout_args(name: str, model: str = "lenet") -> list[str]:
+    """CLI arguments of a layout name for `model`: "pipeline gpipe", "pipeline 1f1b" (the pipeline overlay's 2
+    stages, cut at the model's `PIPELINE_CUTS`), "tensor" (the tensor-parallel overlay), or "ours" or "ddp", then any
+    of "overlap" (ours), "torch" (ours: the backend's allreduce between processes), a bucket size ("64KB", "4MB")
+    and a compression ("bf16", "powersgd r2").
 
     Raises:
         SystemExit: For a name of another shape.
     """
     option = "--trainer.strategy.init_args."
     words = name.split()
+    if name in ("pipeline gpipe", "pipeline 1f1b"):  # by layers: 2 stages, 4 micro-batches
+        return ["--config", "configs/strategy/pipeline_cpu.yaml", option + "schedule", words[1], option + "cuts",
+                PIPELINE_CUTS[model]]
+    if name == "tensor":  # within a layer: 2 shares
+        return ["--config", "configs/strategy/tensor_parallel_cpu.yaml"]
     compression, _ = compression_of(name)
     if words[0] == "ours":
         args = ["--config", PROCESSES]
@@ -171,7 +182,8 @@ def layout_args(name: str) -> list[str]:
         overlay = "ddp_cpu_powersgd.yaml" if compression != "none" else "ddp_cpu.yaml"
         args = ["--config", f"configs/strategy/{overlay}"]
     else:
-        raise SystemExit(f"unknown layout {name!r}: it starts with 'ours' or 'ddp'")
+        raise SystemExit(f"unknown layout {name!r}: it starts with 'ours' or 'ddp', or is 'pipeline gpipe', "
+                         "'pipeline 1f1b' or 'tensor'")
     known = {"overlap", "torch", *" ".join(COMPRESSED).split()}
     odd = [w for w in words[1:] if w not in known and bucket_mb(w) is None]
     if odd or (words[0] == "ddp" and ({"overlap", "torch"} & set(words))):
@@ -233,7 +245,7 @@ def measure(model: str, rates: list[str], names: list[str], rounds: int, batches
             timeline_steps: tuple[int, int]) -> dict:
     """Every measurement of the table, as plain data (see the module docstring)."""
     batch = MODELS[model][1]
-    table = {name: layout_args(name) for name in names}
+    table = {name: layout_args(name, model) for name in names}
     result: dict = {"model": model, "batch": batch, "batches": batches, "one_core": [], "one_core_half": [],
                     "lab": {f"{r}|{n}": [] for r in rates for n in names}, "timeline": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,6 +291,8 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     from src.scaling.predictor import Paths, Question, predict
     from src.scaling.sources import Overrides
 
+    if model_split(name):
+        return split_predicted(model, name, rate, overhead_s, seconds_per_image, sync_overhead)
     compression, rank = compression_of(name)
     question = Question(config=MODELS[model][0], hardware="lab", devices=[2], algorithms=["ring"],
                         batch_mode="global", batch_size=MODELS[model][1], compression=compression,
@@ -299,10 +313,42 @@ def predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_i
     return predict(question, Overrides(**shaped, overlap=share), Paths()).bands[0].point
 
 
+def model_split(name: str) -> bool:
+    """Whether a layout splits the model between the machines (the pipeline, tensor parallelism)."""
+    return name.startswith(("pipeline", "tensor"))
+
+
+def split_row(model: str, name: str) -> dict:
+    """The forecast's description of a pipeline or tensor-parallel layout on 2 machines, as
+    `src.scaling.three_ways_measured` reads a measured row."""
+    pipeline = name.startswith("pipeline")
+    return {"model": model, "way": "pipeline" if pipeline else "tensor_parallel", "processes": 2,
+            "schedule": name.split()[1] if pipeline else None, "batch": MODELS[model][1],
+            "microbatches": 4 if pipeline else None, "cuts": yaml.safe_load(PIPELINE_CUTS[model]) if pipeline else None,
+            "precision": "32-true", "optimizer": "sgd_momentum"}
+
+
+def split_predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_image: float,
+                    sync_overhead: float | None = None) -> SimpleNamespace:
+    """The three ways' forecast (`src.scaling.three_ways`) of a pipeline or tensor-parallel layout on 2 lab machines
+    at `rate`, with one replica's measured compute, in the fields `print_table` reads (nothing hidden)."""
+    from src.scaling.three_ways_measured import predict_row
+
+    figures, _ = predict_row(split_row(model, name), "lab", link_rate=None if rate == "none" else rate,
+                             overhead_s=overhead_s, seconds_per_image=seconds_per_image, sync_overhead=sync_overhead)
+    return SimpleNamespace(step_s=figures.step_s, compute_s=figures.compute_s, exchange_s=figures.exchange_s,
+                           hidden_s=0.0, images_per_s=figures.images_per_s,
+                           sent=max(r.bytes_sent_per_step for r in figures.ranks))
+
+
 def sent_bytes(model: str, name: str) -> int:
-    """Gradient bytes each machine exchanges per step in layout `name`, counted from the model as the strategies
-    count them (`src.scaling.model_counts.compressed_bytes`)."""
+    """Bytes the busier machine sends per step in layout `name`: the gradient bytes, counted from the model as the
+    strategies count them (`src.scaling.model_counts.compressed_bytes`), or for a split model the forecast's
+    activations and partial sums (`split_predicted`)."""
     from src.scaling.model_counts import compressed_bytes, inspect_network
+
+    if model_split(name):
+        return int(split_predicted(model, name, "none", 0.0, 1e-3).sent)
 
     config = yaml.safe_load(Path(MODELS[model][0]).read_text())["model"]
     compression, rank = compression_of(name)
@@ -337,7 +383,8 @@ def fit_sync(result: dict, overhead_s: float, seconds_per_image: float) -> tuple
     shares, names = [], []
     for key, values in result["lab"].items():
         rate, name = key.split("|")
-        if rate != "none" or name.startswith("ddp ") or "overlap" in name or compression_of(name)[0] != "none":
+        if (rate != "none" or model_split(name) or name.startswith("ddp ") or "overlap" in name
+                or compression_of(name)[0] != "none"):
             continue
         p = predicted(result["model"], name, rate, overhead_s, seconds_per_image, 0.0)
         step = statistics.median(batch / v for v in values)

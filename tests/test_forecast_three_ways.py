@@ -330,7 +330,7 @@ def test_compare_with_measured_rows(tmp_path):
     assert by[0, 0, "parameters"]["relative_error"] == 0 and by[0, 0, "parameters"]["within"] is True
     sent = by[0, 0, "bytes_sent_per_step"]
     assert sent["predicted"] == 1_730_560 and sent["relative_error"] == pytest.approx(1_730_560 / 1_900_000 - 1)
-    assert sent["within"] is True
+    assert sent["within"] is False  # 9% off: outside the 2% bound
     assert by[0, None, "bubble"]["predicted"] == pytest.approx(0.2) and by[0, None, "bubble"]["within"]
     assert by[0, None, "step_ms"]["within"] is None and by[0, None, "step_ms"]["relative_error"] is not None
     assert by[1, 1, "optimizer_state"]["within"] is True and by[1, 1, "activation_peak"]["within"] is False
@@ -348,3 +348,24 @@ def test_measured_file_errors(tmp_path):
     with pytest.raises(ValueError, match="row 0 has model 'vgg'"):
         load_measured(_measured(tmp_path / "m.json", [{"model": "vgg", "way": "data", "processes": 2, "batch": 8,
                                                        "per_rank": [], "step_ms": 1.0}]))
+
+
+def test_the_forecast_against_the_measured_rows_of_the_three_ways():
+    """benchmarks/three_ways.json holds what benchmarks/three_ways.py measured (LeNet and ResNet-18, one device and
+    each way on 2 processes of the 2-core CPU): every figure with a stated tolerance lies inside it (model state
+    within 1%, bytes sent within 2%, the step's rise of the resident set predicted at 0.45-1.05 of the measured,
+    the bubble exact), and every row of both models is compared."""
+    from pathlib import Path
+
+    from src.scaling.three_ways_measured import TOLERANCES
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "three_ways.json"
+    entries = compare_with_measured(path)
+    assert {(e["model"], e["way"], e["schedule"]) for e in entries} == {
+        (m, w, s) for m in ("lenet", "resnet18")
+        for w, s in (("one_device", None), ("data", None), ("pipeline", "gpipe"), ("pipeline", "1f1b"),
+                     ("tensor_parallel", None))}
+    held = [e for e in entries if TOLERANCES[e["quantity"]] is not None and e["measured"]]
+    assert len(held) >= 10 * 2 * 4  # 10 rows, 2 processes (one device: 1), 4 bounded figures each, roughly
+    outside = [e for e in held if not e["within"]]
+    assert not outside, outside

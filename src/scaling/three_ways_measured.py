@@ -30,8 +30,12 @@ MODEL_CONFIGS = {"lenet": "configs/lenet.yaml", "resnet18": "configs/resnet18.ya
 _MEMORY_PRECISION = {"32-true": "fp32", "64-true": "fp64", "bf16-mixed": "fp32", "16-mixed": "fp32"}
 #: how close a prediction is expected to be: relative error bounds, or (low, high) bounds of predicted / measured;
 #: None: reported only
-TOLERANCES = {"parameters": 0.01, "gradients": 0.01, "optimizer_state": 0.01, "bytes_sent_per_step": 0.2,
-              "activation_peak": (0.5, 2.0), "idle_fraction": None, "step_ms": None, "step_ratio": None,
+# (benchmarks/three_ways.json of 2026-11-29 on the 2-core CPU: model state exact, bytes sent within 1.5%, the rise
+# predicted at 0.49-1.01 of the measured one, ResNet-18's 0.68-1.01; step and idle figures are off by up to 51%
+# and 3x: the compute of each stage or share is split by multiply-adds, and the 1-thread calibration is set
+# against one device on 2 threads, so they are reported, not held to a bound)
+TOLERANCES = {"parameters": 0.01, "gradients": 0.01, "optimizer_state": 0.01, "bytes_sent_per_step": 0.02,
+              "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": None, "step_ratio": None,
               "bubble": 1e-9}
 _PER_RANK = ("parameters", "gradients", "optimizer_state", "activation_peak", "bytes_sent_per_step", "idle_fraction")
 
@@ -81,7 +85,7 @@ def _layout(row: dict, profile: object) -> Layout:
 
 
 def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
-                link_rate: str | None = None) -> tuple[LayoutFigures, LayoutFigures]:
+                link_rate: str | None = None, **overrides: float | None) -> tuple[LayoutFigures, LayoutFigures]:
     """Predict a measured row's layout and one device's step at the same global batch.
 
     Args:
@@ -89,6 +93,8 @@ def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAU
         hardware: The forecast's hardware preset the row ran on (`--hardware`).
         calibration: The calibration file (`--calibration`).
         link_rate: The lab's link rate in tc's notation, e.g. 1gbit (`--link_rate`), or None.
+        **overrides: More of the forecast's overrides (`src.scaling.sources.Overrides`), e.g. a measured
+            `seconds_per_image` and `overhead_s` of one process's step.
 
     Returns:
         (the row's layout predicted, one device predicted).
@@ -107,7 +113,7 @@ def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAU
     batch = int(row["batch"])
     question = Question(config=config, hardware=hardware, devices=[1], algorithms=["ring"], batch_mode="global",
                         batch_size=batch, optimizer=row.get("optimizer"), memory_precision=_MEMORY_PRECISION[precision])
-    setting = predict(question, Overrides(link_rate=link_rate), Paths(calibration=calibration)).setting
+    setting = predict(question, Overrides(link_rate=link_rate, **overrides), Paths(calibration=calibration)).setting
     setting = replace(setting, activation_bytes=8 if precision == "64-true" else 4)
     model = _experiment(config)["model"]
     profile = profile_network(model["class_path"], model.get("init_args"))
@@ -129,6 +135,18 @@ def _entry(index: int, row: dict, rank: int | None, quantity: str, predicted: fl
             "processes": row["processes"], "batch": row["batch"], "microbatches": row.get("microbatches"),
             "rank": rank, "quantity": quantity, "predicted": predicted, "measured": measured,
             "relative_error": error, "within": within}
+
+
+def _predicted(row: dict, rank: object, quantity: str) -> float | None:
+    """The prediction that a measured per-process figure is compared with. The measured `activation_peak` is the
+    rise of the resident set within a step: the saved activations and, in a pipeline, the stage's gradients too,
+    since the schedule's backward runs inside the training step, before Lightning lets the previous step's
+    gradients go (`PipelineStrategy.training_step` holds them apart), so both are held at once. Temporaries
+    (activation gradients, the exchange's buffers) are not predicted: the prediction is expected below the rise."""
+    value = getattr(rank, quantity)
+    if quantity == "activation_peak" and row["way"] == "pipeline":
+        value += rank.gradients
+    return value
 
 
 def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
@@ -159,7 +177,7 @@ def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibra
         for measured in row["per_rank"]:
             rank = ranks.get(int(measured["rank"]))
             for q in _PER_RANK:
-                out.append(_entry(i, row, measured["rank"], q, None if rank is None else getattr(rank, q),
+                out.append(_entry(i, row, measured["rank"], q, None if rank is None else _predicted(row, rank, q),
                                   measured.get(q)))
         out += [_entry(i, row, None, "step_ms", figures.step_s * 1e3, row.get("step_ms")),
                 _entry(i, row, None, "step_ratio", figures.step_s / one.step_s, row.get("step_ratio")),
