@@ -3,7 +3,6 @@ CLI's files and its one-line errors, the calibration's allreduce timing. CPU onl
 (the timing between processes is marked slow)."""
 
 import csv
-import json
 import random
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from src.scaling.report import newest_report
 from src.scaling.sources import DEFAULT_CALIBRATION, Overrides, load_calibration
 from src.scaling.version_folders import next_version
 from src.strategies.comm.exchange_names import EXCHANGES
+from tests.helpers.calibration import write_calibration
 
 BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link
 
@@ -157,24 +157,12 @@ def test_bucket_plan_is_the_strategy_s_and_ddp_s_for_float32():
     assert sorted(map(sorted, bucket_indices(mixed, DDP_BUCKET_BYTES))) == [[0, 2], [1]]
 
 
-def _calibration(path):
-    samples = [[2, n, ring_allreduce_s(2, n, Link(2e-4, 1e-9))] for n in (4096, 2**20, 2**26)]
-    fit = {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9, "samples": samples,
-           "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}
-    path.write_text(json.dumps({
-        "date": "2000-01-01", "hardware": "synthetic", "allreduce": {"torch": fit, "ring": fit},
-        "compute": {"LeNetClassifier": {"overhead_s": 0.004, "seconds_per_image": 50e-6, "threads": 1,
-                                        "samples": [[32, 0.0056], [256, 0.0168]],
-                                        "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}}}))
-    return path
-
-
 @pytest.fixture
 def tiny(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text("model:\n  class_path: src.models.classifier.LeNetClassifier\n  init_args: {lr: 0.1}\n"
                       "data:\n  batch_size: 8\n  val_size: 100\n")
-    return config, _calibration(tmp_path / "cal.json")
+    return config, write_calibration(tmp_path / "cal.json")
 
 
 def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
@@ -366,7 +354,7 @@ def test_sync_bounds_are_fitted_on_calibration_rows_only(tmp_path):
 
 def _lab_calibration(path):
     """The tiny calibration plus lab links fitted by `write_lab_links` from exact synthetic timings."""
-    _calibration(path)
+    write_calibration(path)
     timings = {key: [[2, n, ring_allreduce_s(2, n, link)] for n in (4096, 2**20, 2**24)]
                for key, link in (("ring", Link(3e-4, 2e-9)), ("torch", Link(1e-4, 1e-9)))}
     write_lab_links(str(path), timings, "synthetic host", "synthetic timings")

@@ -18,6 +18,7 @@ from src.scaling.predictor import main
 from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble_fraction, in_flight
 from src.scaling.three_ways import Layout, Setting, predict_layout
 from src.scaling.three_ways_measured import compare_with_measured, load_measured
+from tests.helpers.calibration import write_calibration
 
 LENET, RESNET = "src.models.classifier.LeNetClassifier", "src.models.classifier.ResNet18Classifier"
 FP32_MOMENTUM = bytes_per_element("sgd_momentum", "fp32")
@@ -222,22 +223,12 @@ def test_profile_splits_as_tensor_plans_do(cls, fake_world):
     assert sum(seen.values()) == saved_bytes(profile, range(len(profile.saved)), 4, 2)
 
 
-def _calibration(path):
-    fit = {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9, "samples": [[2, 4096, 4e-4], [2, 2**20, 1.4e-3]],
-           "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}
-    compute = {"overhead_s": 0.004, "seconds_per_image": 50e-6, "threads": 1, "samples": [[32, 0.0056], [256, 0.0168]],
-               "fit": {"rms_rel_err": 0.0, "max_rel_err": 0.0}}
-    path.write_text(json.dumps({"date": "2000-01-01", "hardware": "synthetic", "allreduce": {"torch": fit, "ring": fit},
-                                "compute": {"LeNetClassifier": compute}}))
-    return path
-
-
 @pytest.fixture
 def tiny(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text("model:\n  class_path: src.models.classifier.LeNetClassifier\n  init_args: {lr: 0.1}\n"
                       "data:\n  batch_size: 8\n  val_size: 100\n")
-    return ["--config", str(config), "--calibration", str(_calibration(tmp_path / "cal.json")), "--out",
+    return ["--config", str(config), "--calibration", str(write_calibration(tmp_path / "cal.json")), "--out",
             str(tmp_path / "fc"), "--algorithms", "[ring]", "--batch_mode", "global"]
 
 
