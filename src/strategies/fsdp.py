@@ -6,10 +6,12 @@ needs a non-CPU accelerator device"). torch's FSDP itself runs on the CPU over g
 `device_id=torch.device("cpu")`. So `CPUFSDPStrategy` wraps the module itself with that device and then lets
 Lightning's `_setup_model` go on with the wrapped module (which it then leaves as it is): nothing of Lightning is
 patched. It also keeps the wrapper for a later stage in the same process (the test after fit), which Lightning
-would wrap a second time, and on the CPU it gathers whole state dicts (checkpoints) without torch's offload to the
-CPU: there is nothing to move, and before pytorch/pytorch#188990 (2026) that offload freed the CPU storage of the
-gathered parameters, so the next read crashed the process (seen with torch 2.11). On a GPU it otherwise is
-Lightning's strategy.
+would wrap a second time, and lets it go at exit, just before the process group is destroyed: FSDP's objects hold
+the group, whose gloo worker threads must end before the interpreter finalizes, or one of them may abort the process
+(`src.run.cleanup`). On the CPU it gathers whole state dicts (checkpoints) without torch's offload to the CPU: there
+is nothing to move, and before pytorch/pytorch#188990 (2026) that offload freed the CPU storage of the gathered
+parameters, so the next read crashed the process (seen with torch 2.11). On a GPU it otherwise is Lightning's
+strategy.
 
 Sharding strategies (torch's `ShardingStrategy`; ZeRO stages as in Rajbhandari et al., SC 2020, and Zhao et al.,
 "PyTorch FSDP", VLDB 2023):
@@ -29,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from src.layout import HeldBytes, ParallelLayout, default_backend, held_bytes
+from src.run.cleanup import release_at_exit
 from src.strategies.comm.allreduce import nbytes
 
 # torch's sharding strategy -> the ZeRO stage it matches, for the run's layout, name and HPARAMS column
@@ -70,7 +73,15 @@ class CPUFSDPStrategy(FSDPStrategy):
                                              **kwargs)
         model = super()._setup_model(model)
         self._wrapper = model if isinstance(model, FullyShardedDataParallel) else None
+        release_at_exit(self.release_process_group)
         return model
+
+    def release_process_group(self) -> None:
+        """Let go of the FSDP module (this strategy's and Lightning's reference), whose objects hold the process
+        group: called at exit by `src.run.cleanup`, which then destroys the group and collects the module, so that
+        the group's backend ends its threads while the interpreter is still alive."""
+        self._wrapper = None
+        self.model = None
 
     def _full_state_dict_on_cpu(self) -> AbstractContextManager | None:
         """torch's FULL_STATE_DICT context with `offload_to_cpu=False` (rank 0 gathers), where the state is on the
