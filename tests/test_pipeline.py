@@ -233,16 +233,16 @@ def test_two_pipelines_side_by_side_equal_one_device(tiny_data_dir):
 
 @pytest.mark.slow  # 4 processes, ResNet-18 for 20 steps
 def test_two_resnet18_pipelines_side_by_side_equal_one_device_accumulating_their_micro_batches(tiny_data_dir):
-    """Pipeline x data parallelism with BatchNorm: 2 pipelines of 2 stages, each taking half of a global batch of 16
-    in 2 micro-batches of 4, are one device accumulating the same 4 micro-batches (batch 4, 4 batches a step): the
+    """Pipeline x data parallelism with BatchNorm: 2 pipelines of 2 stages, each taking half of a global batch of 8
+    in 2 micro-batches of 2, are one device accumulating the same 4 micro-batches (batch 2, 4 batches a step): the
     parameters end 20 steps within 1e-9. The running statistics are not compared: each pipeline keeps its own, from
     its own micro-batches, and rank 0's are the checkpoint's, as under DDP."""
     from src.models.classifier import ResNet18Classifier
 
     common = dict(model_cls=ResNet18Classifier, model_kwargs=RECIPE)
-    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=4, accumulate_grad_batches=4, **common)
+    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=2, accumulate_grad_batches=4, **common)
     both, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"], pipelines=2, n_microbatches=2), devices=4,
-                     steps=STEPS, batch_size=16, **common)
+                     steps=STEPS, batch_size=8, **common)
     off = max_param_diff(accumulated, both)
     moved = max_param_diff(accumulated, seeded_model(ResNet18Classifier, RECIPE))
     print(f"pipeline x data, ResNet-18, 2 pipelines x 2 stages x 2 micro-batches: {off:.3g} from one device "

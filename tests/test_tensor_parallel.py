@@ -81,14 +81,14 @@ def test_two_replicas_of_the_split_model_equal_one_device(tiny_data_dir):
 
 @pytest.mark.slow  # 4 spawned processes, ResNet-18 for 20 steps
 def test_two_replicas_of_the_split_resnet18_equal_one_device_accumulating_their_halves(tiny_data_dir):
-    """Tensor x data parallelism with BatchNorm: each of 2 replicas normalises its half of the global batch of 16 by
-    that half's statistics, so the reference is one device accumulating the two halves (batch 8, 2 batches a step):
+    """Tensor x data parallelism with BatchNorm: each of 2 replicas normalises its half of the global batch of 8 by
+    that half's statistics, so the reference is one device accumulating the two halves (batch 4, 2 batches a step):
     the parameters end 20 steps within 1e-9. Each replica keeps running statistics of its own halves, as under
     DDP, so they are not compared."""
-    one, _, _ = fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=STEPS, batch_size=8, accumulate_grad_batches=2,
+    one, _, _ = fit(tiny_data_dir, model_cls=ResNet18Classifier, steps=STEPS, batch_size=4, accumulate_grad_batches=2,
                     model_kwargs=RECIPE)
     strategy = TensorParallelStrategy(replicas=2, processes=ProcessStart("gloo", start_method="spawn"))
-    both, _, _ = fit(tiny_data_dir, strategy, model_cls=ResNet18Classifier, devices=4, steps=STEPS, batch_size=16,
+    both, _, _ = fit(tiny_data_dir, strategy, model_cls=ResNet18Classifier, devices=4, steps=STEPS, batch_size=8,
                      model_kwargs=RECIPE)
     off, moved = max_param_diff(one, both), max_param_diff(one, seeded_model(ResNet18Classifier, RECIPE))
     print(f"tensor x data, ResNet-18, 2 replicas x 2 shares: {off:.3g} from one device accumulating the halves, "
