@@ -160,20 +160,20 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
     assert len(written.read_text().splitlines()) == 1 + 200  # every test image once, though both stages predicted
 
 
-@pytest.mark.slow  # 2 processes, ResNet-18 for 20 steps (about 60 s on 2 cores)
+@pytest.mark.slow  # 2 processes, ResNet-18 for 20 steps
 def test_resnet18_in_two_stages_equals_one_device_accumulating_the_same_micro_batches(tiny_data_dir):
     """With BatchNorm each micro-batch is normalised by its own statistics, so the pipeline is one device that
-    accumulates the gradients of the same micro-batches (batch 4, 4 batches a step), running statistics included.
-    The control: after one step that one device is already apart from one device on the whole batch of 16."""
+    accumulates the gradients of the same micro-batches (batch 2, 4 batches a step), running statistics included.
+    The control: after one step that one device is already apart from one device on the whole batch of 8."""
     from src.models.classifier import ResNet18Classifier
 
     common = dict(model_cls=ResNet18Classifier, model_kwargs=RECIPE)
-    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=4, accumulate_grad_batches=4, **common)
-    piped, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"]), devices=2, steps=STEPS, batch_size=16, **common)
+    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=2, accumulate_grad_batches=4, **common)
+    piped, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"]), devices=2, steps=STEPS, batch_size=8, **common)
     states = accumulated.state_dict(), piped.state_dict()
     off = max((states[0][k] - states[1][k]).abs().max().item() for k in states[0] if states[0][k].is_floating_point())
-    one_step = [fit(tiny_data_dir, steps=1, batch_size=b, accumulate_grad_batches=16 // b, **common)[0]
-                for b in (4, 16)]
+    one_step = [fit(tiny_data_dir, steps=1, batch_size=b, accumulate_grad_batches=8 // b, **common)[0]
+                for b in (2, 8)]
     print(f"pipeline, ResNet-18, 2 stages x 4 micro-batches: {off:.3g} from one device accumulating them "
           f"(running statistics included); one step on micro-batches against the whole batch: "
           f"{max_param_diff(*one_step):.3g}")
