@@ -6,7 +6,8 @@
 
 Each trial is a fresh command (`--one WAY`) that trains `--steps` optimizer steps with the real Trainer, in float32
 with SGD (momentum 0.9), on a synthetic Fashion-MNIST of the real size's shape; the ways are alternated round by
-round: one device (one process, both cores' threads), ours by data (`SplitAllreduceStrategy`, 2 processes x 1
+round: one device (one process, both cores' threads), one core (one process of 1 thread: the forecast's device
+on this CPU, `--hardware cpu-2core`), ours by data (`SplitAllreduceStrategy`, 2 processes x 1
 replica), the pipeline under GPipe and under 1F1B (`--microbatches`, the cut `auto` chose on the first trial, then
 fixed) and tensor parallelism (`TensorParallelStrategy`), each on 2 processes of 1 thread. Per process, from the
 steps after the first `--warmup`:
@@ -19,7 +20,8 @@ steps after the first `--warmup`:
   received buffers of the step;
 - bytes sent per step: the growth of `bytes_sent` of this process's TCP sockets (tcp_info, read with `ss -tinp`)
   over the measured steps, divided by their number: every collective and point-to-point message of gloo;
-- step time: the median of rank 0's steps, and its ratio to one device's in the same run (medians over rounds).
+- step time: the median of rank 0's steps, and its ratios to one device's and to one core's in the same run
+  (medians over rounds).
 
 For the pipeline, one more trial of each schedule records its steps with `src.callbacks.StepTimeline`: the
 stages' median idle fraction of the schedule's window (`src.timeline.pipeline_picture`), beside the bubble
@@ -46,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 
 warnings.filterwarnings("ignore")
-WAYS = ("one_device", "data", "pipeline_gpipe", "pipeline_1f1b", "tensor_parallel")
+WAYS = ("one_device", "one_core", "data", "pipeline_gpipe", "pipeline_1f1b", "tensor_parallel")
 VAL_SIZE = 1000  # images held out of the synthetic training set (not evaluated: limit_val_batches=0)
 MMAP_THRESHOLD = "65536"  # bytes: glibc maps blocks this large on their own (malloc(3), M_MMAP_THRESHOLD)
 
@@ -134,7 +136,7 @@ def strategy_for(way: str, args: argparse.Namespace) -> Any:
     """The strategy of one way (None: one device)."""
     from src.strategies import PipelineStrategy, SplitAllreduceStrategy, TensorParallelStrategy
 
-    if way == "one_device":
+    if way in ("one_device", "one_core"):
         return None
     if way == "data":
         return SplitAllreduceStrategy()
@@ -150,6 +152,8 @@ def one(args: argparse.Namespace) -> None:
     from src.models.classifier import LeNetClassifier, ResNet18Classifier
 
     strategy = strategy_for(args.one, args)
+    if args.one == "one_core":
+        torch.set_num_threads(1)
     model = (LeNetClassifier if args.model == "lenet" else ResNet18Classifier)(lr=0.01, momentum=0.9)
     callbacks: list[pl.Callback] = [Probe(args.report, args.warmup)]
     if args.timeline:
@@ -195,16 +199,17 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             medians[way].append(statistics.median(ranks[0]["step_ms"]))
             last[way] = ranks
         print(f"round {r + 1}: " + ", ".join(f"{w} {m[-1]:.1f} ms" for w, m in medians.items()), flush=True)
-    one_device = statistics.median(medians["one_device"])
+    one_device, one_core = statistics.median(medians["one_device"]), statistics.median(medians["one_core"])
     rows = []
     for way in WAYS:
         step = statistics.median(medians[way])
         schedule = way.removeprefix("pipeline_") if way.startswith("pipeline") else None
         row = {"model": args.model, "way": "pipeline" if schedule else way, "schedule": schedule,
-               "processes": 1 if way == "one_device" else 2, "batch": args.batch,
+               "processes": 1 if way.startswith("one_") else 2, "batch": args.batch,
                "microbatches": args.microbatches if schedule else None,
                "cuts": json.loads(args.cuts) if schedule else None, "precision": "32-true",
                "optimizer": "sgd_momentum", "step_ms": step, "step_ratio": step / one_device,
+               "step_ratio_one_core": step / one_core,
                "per_rank": [{k: v for k, v in rank.items() if k != "step_ms"} for rank in last[way]]}
         if schedule:
             p, m = 2, args.microbatches

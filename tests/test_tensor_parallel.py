@@ -15,7 +15,7 @@ from tests.helpers.runs import fit, max_param_diff, seeded_model, stop_then_resu
 # the shipped recipe's optimizer and schedule: momentum 0.9 (fit's default), weight decay, warm-up then cosine
 RECIPE = {"weight_decay": 5e-4, "scheduler": "cosine", "warmup_epochs": 0.5}
 STEPS, BATCH = 20, 24
-# ResNet-18 in float64 costs about 30x LeNet per sample on the CPU: a batch of 8 keeps the 20 steps to minutes
+# ResNet-18 in float64 costs far more per sample than LeNet on the CPU: a batch of 12 keeps its 20 steps near 1.5 min
 BATCHES = {"lenet": BATCH, "resnet18": 12}
 
 

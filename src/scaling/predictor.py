@@ -388,9 +388,9 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / result.model,
                                                                        "cpu" if preset.device == "cpu" else "gpu")
     title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
+    section = ways_section(layouts, question.memory_budget_gib, question.block_costs) if layouts else []
     write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "",
-                   markdown_section(result.memory, question.devices)
-                   + (["", *ways_section(layouts, question.memory_budget_gib)] if layouts else []))
+                   markdown_section(result.memory, question.devices) + (["", *section] if layouts else []))
     write_csv(rows, root)
     if layouts:
         write_layouts(layouts, root)

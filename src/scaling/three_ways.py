@@ -18,7 +18,8 @@ the activations saved for backward at their peak, the pipeline's receive buffers
   the activation forward and its gradient back, per micro-batch. Step = overhead + the schedule's window + the
   logits' broadcast; the window is sum of the stages' times + (m-1) x the slowest stage's (1 stage per process) or
   (m + (p-1)/v) x the slowest process's (interleaved), each stage's time being its compute (its share of the
-  network's multiply-adds) plus its transfers, which gloo's blocking sends put on the critical path.
+  network's multiply-adds, or of its timed block costs) plus its transfers, which gloo's blocking sends put on the
+  critical path.
 * Tensor parallelism (Megatron-LM: Shoeybi et al., arXiv:1909.08053, 2019, section 3): P shares of every split
   layer; every process holds the split layers' shares and the other layers whole, and the split activations' shares
   and the others whole. One allreduce per split pair forward (the partial sums) and one backward (the gradient of
@@ -41,7 +42,7 @@ from src.scaling.net_profile import NetProfile, check_shares, local_elements, sa
 from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble_fraction, in_flight
 
 WAYS = ("data", "pipeline", "tensor_parallel")
-_SEARCHED_CUTS = 20_000  # an auto cut tries every cut up to this many, else balances the multiply-adds
+_SEARCHED_CUTS = 20_000  # an auto cut tries every cut up to this many, else balances the block costs
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Setting:
         overlap: Share of data parallelism's exchange hidden behind backward.
         messages: Data parallelism's allreduce calls per step (gradient buckets).
         activation_bytes: Bytes per activation element (4 for float32, 8 for 64-true).
+        block_costs: Each block's cost, whose shares split a pipeline's compute between its stages, e.g. its
+            measured seconds per sample (`src.scaling.block_timing`); None: the blocks' multiply-adds.
     """
 
     compute: Compute
@@ -69,6 +72,20 @@ class Setting:
     overlap: float = 0.0
     messages: int = 1
     activation_bytes: int = 4
+    block_costs: tuple[float, ...] | None = None
+
+    def costs(self, profile: NetProfile) -> tuple[float, ...]:
+        """Each block's cost: `block_costs`, or the multiply-adds.
+
+        Raises:
+            ValueError: `block_costs` of another length than the network's blocks.
+        """
+        if self.block_costs is None:
+            return tuple(b.macs for b in profile.blocks)
+        if len(self.block_costs) != len(profile.blocks):
+            raise ValueError(f"{len(self.block_costs)} block costs for {profile.net_name}'s {len(profile.blocks)} "
+                             "blocks")
+        return self.block_costs
 
     def slowdown(self, processes: int) -> float:
         """1 + sync + jitter x E[max of `processes` normals] (1 for one process)."""
@@ -296,8 +313,9 @@ def _stage_times(profile: NetProfile, layout: Layout, starts: tuple[int, ...], b
     micro = batch / layout.copies / m
     bounds = [0, *starts, len(profile.blocks)]
     slow = setting.slowdown(layout.processes)
-    per_mac = setting.compute.seconds_per_image / profile.macs
-    times = [micro * per_mac * sum(b.macs for b in profile.blocks[a:e]) * slow for a, e in zip(bounds, bounds[1:])]
+    costs = setting.costs(profile)
+    per_cost = setting.compute.seconds_per_image / sum(costs)
+    times = [micro * per_cost * sum(costs[a:e]) * slow for a, e in zip(bounds, bounds[1:])]
     scale = _scale(profile, setting)
     transfers = []
     for s, end in enumerate(bounds[1:-1]):
@@ -322,7 +340,7 @@ def _window(layout: Layout, times: list[float], transfers: list[float]) -> tuple
 
 def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> tuple[int, ...]:
     """The cut whose schedule window is shortest: every cut tried (up to 20,000 of them), else the cut that
-    balances the stages' multiply-adds (`src.strategies.pipeline_stages.balanced_starts`).
+    balances the stages' costs, `Setting.costs` (`src.strategies.pipeline_stages.balanced_starts`).
 
     Args:
         profile: The network.
@@ -340,7 +358,7 @@ def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Settin
     if math.comb(n - 1, stages - 1) > _SEARCHED_CUTS:
         from src.strategies.pipeline_stages import balanced_starts
 
-        return tuple(balanced_starts([b.macs for b in profile.blocks], stages))
+        return tuple(balanced_starts(list(setting.costs(profile)), stages))
 
     def window(starts: tuple[int, ...]) -> float:
         return _window(layout, *_stage_times(profile, layout, starts, batch, setting))[0]

@@ -39,6 +39,10 @@ class Ways:
             stages + 1.
         memory_budget_gib: Memory per device in GiB (2**30 bytes) for model state, activations and the pipeline's
             buffers: the forecast marks the layouts that fit and names the fastest of them per device count.
+        block_costs: What splits a pipeline's compute between its stages: macs (each block's multiply-adds, for
+            any hardware) or timed (each block's forward and backward timed here on the CPU at one thread, a
+            micro-batch at a time: for a forecast of this CPU, where activations and pooling cost more than their
+            multiply-adds say; `src/scaling/block_timing.py`).
     """
 
     ways: list[Literal["data", "pipeline", "tensor"]] | None = None
@@ -46,6 +50,7 @@ class Ways:
     schedules: list[Literal[SCHEDULES]] = field(default_factory=lambda: ["gpipe", "1f1b"])
     cuts: str = "auto"
     memory_budget_gib: float | None = None
+    block_costs: Literal["macs", "timed"] = "macs"
 
     @property
     def asked(self) -> bool:
@@ -187,6 +192,12 @@ def forecast_ways(ways: Ways, cfg: dict | None, devices: list[int], batch: int, 
     profile = profile_network(cfg["model"]["class_path"], cfg["model"].get("init_args"))
     setting = replace(setting, activation_bytes=8 if config_precision(cfg) == "64-true" else 4)
     batches = [global_batch_for(batch, d, batch_mode) for d in devices]
+    if ways.block_costs == "timed":
+        from src.scaling.block_timing import timed_block_costs
+
+        micro = max(1, batches[-1] // ways.microbatches)  # the largest device count's micro-batch
+        setting = replace(setting, block_costs=timed_block_costs(cfg["model"]["class_path"],
+                                                                 cfg["model"].get("init_args"), samples=micro))
     return predict_ways(ways, profile, devices, batches, setting)
 
 
@@ -242,13 +253,14 @@ def table_lines(answers: list[DeviceAnswer], budget_gib: float | None) -> list[s
     return lines
 
 
-def markdown_section(answers: list[DeviceAnswer], budget_gib: float | None) -> list[str]:
+def markdown_section(answers: list[DeviceAnswer], budget_gib: float | None, block_costs: str = "macs") -> list[str]:
     """forecast.md's "Three ways": per device count the layouts' table and every process's figures, then what is
     left out.
 
     Args:
         answers: `predict_ways`' answers.
         budget_gib: The memory budget per device, GiB, or None.
+        block_costs: What split a pipeline's compute between its stages (`Ways.block_costs`).
 
     Returns:
         Markdown lines.
@@ -256,7 +268,9 @@ def markdown_section(answers: list[DeviceAnswer], budget_gib: float | None) -> l
     lines = ["## Three ways: data, pipeline and tensor parallelism", "",
              "Predicted, not measured: from the network profiled block by block (one CPU forward at 1 and 2 samples, "
              "`src/scaling/layer_profile.py`) and the step's costs above. Memory of the fullest process; MiB = 2^20 "
-             "bytes. Formulas and sources: docs/forecast.md, \"Three ways\"; `src/scaling/three_ways.py`.", ""]
+             "bytes. Formulas and sources: docs/forecast.md, \"Three ways\"; `src/scaling/three_ways.py`. A pipeline's "
+             "stages split the compute by " + ("their blocks' forward and backward timed on this CPU at one thread."
+                                               if block_costs == "timed" else "their blocks' multiply-adds."), ""]
     for a in answers:
         lines += [f"### {a.devices} device{'s' * (a.devices > 1)}, global batch {a.figures[0].global_batch}", "",
                   "| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
