@@ -178,7 +178,7 @@ class Runner:
                 epochs = "2" if "--ckpt_path" in args else "1"
                 short += ["--trainer.max_epochs", epochs, "--trainer.limit_train_batches", str(TRAIN_BATCHES)]
         if "configs/resnet18.yaml" in args:  # a ResNet-18 step on the CPU takes seconds at batch 256
-            short += ["--data.batch_size", "8"]
+            short += ["--data.batch_size", "4"]
             if "--trainer.max_steps" not in args:  # else its steps in one epoch of the tiny data, one validation
                 short += ["--trainer.limit_train_batches", "2"]
         if "--print_config" in args:  # it prints what was parsed before it and stops

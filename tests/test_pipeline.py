@@ -213,29 +213,29 @@ def test_two_pipelines_side_by_side_equal_one_device(tiny_data_dir):
 @pytest.mark.slow  # ResNet-18 for 20 steps: one device, then 2 and 4 processes
 def test_resnet18_pipelines_equal_one_device_accumulating_the_same_micro_batches(tiny_data_dir):
     """With BatchNorm each micro-batch is normalised by its own statistics, so a pipeline is one device that
-    accumulates the gradients of the same micro-batches (batch 2, 4 batches a step), here in float64 for 20 steps:
+    accumulates the gradients of the same micro-batches (batch 1, 4 batches a step), here in float64 for 20 steps:
 
-    - one pipeline of 2 stages taking the global batch of 8 in 4 micro-batches of 2 ends within 1e-9 of it, its
+    - one pipeline of 2 stages taking the global batch of 4 in 4 micro-batches of 1 ends within 1e-9 of it, its
       running statistics included;
-    - 2 pipelines side by side (pipeline x data on 4 processes), each taking half the batch in 2 micro-batches of 2,
+    - 2 pipelines side by side (pipeline x data on 4 processes), each taking half the batch in 2 micro-batches of 1,
       end there too. Their running statistics are not compared: each pipeline keeps its own, from its own
       micro-batches, and rank 0's are the checkpoint's, as under DDP.
 
     The controls: the weights moved, and after one step that one device is already apart from one device on the
-    whole batch of 8."""
+    whole batch of 4."""
     from src.models.classifier import ResNet18Classifier
 
     common = dict(model_cls=ResNet18Classifier, model_kwargs=RECIPE)
-    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=2, accumulate_grad_batches=4, **common)
-    piped, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"]), devices=2, steps=STEPS, batch_size=8, **common)
+    accumulated, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=1, accumulate_grad_batches=4, **common)
+    piped, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"]), devices=2, steps=STEPS, batch_size=4, **common)
     states = accumulated.state_dict(), piped.state_dict()
     off = max((states[0][k] - states[1][k]).abs().max().item() for k in states[0] if states[0][k].is_floating_point())
     both, _, _ = fit(tiny_data_dir, _pipeline(cuts=["stages.2"], pipelines=2, n_microbatches=2), devices=4,
-                     steps=STEPS, batch_size=8, **common)
-    one_step = [fit(tiny_data_dir, steps=1, batch_size=b, accumulate_grad_batches=8 // b, **common)[0]
-                for b in (2, 8)]
+                     steps=STEPS, batch_size=4, **common)
+    one_step = [fit(tiny_data_dir, steps=1, batch_size=b, accumulate_grad_batches=4 // b, **common)[0]
+                for b in (1, 4)]
     moved = max_param_diff(accumulated, seeded_model(ResNet18Classifier, RECIPE))
-    print(f"pipeline, ResNet-18, 2 stages x 4 micro-batches: {off:.3g} from one device accumulating them (running "
+    print(f"pipeline, ResNet-18, 2 stages x 4 micro-batches of 1: {off:.3g} from one device accumulating them (running "
           f"statistics included); 2 pipelines x 2 stages x 2 micro-batches: {max_param_diff(accumulated, both):.3g}; "
           f"the weights moved {moved:.3g}; one step on micro-batches against the whole batch: "
           f"{max_param_diff(*one_step):.3g}")
