@@ -297,7 +297,7 @@ def test_timed_block_costs_even_out_lenet_s_stages(tiny, capsys):
     layout, profile = Layout("pipeline", 2, 1, 0, "gpipe", 4, (3,)), profile_network(LENET)
     macs = predict_layout(profile, layout, 128, _setting())
     timed = predict_layout(profile, layout, 128, replace(_setting(), block_costs=timed_block_costs(LENET, samples=32)))
-    assert macs.ranks[0].idle_fraction > 0.85 and timed.ranks[0].idle_fraction < 0.65
+    assert macs.ranks[0].idle_fraction > 0.85 and timed.ranks[0].idle_fraction < macs.ranks[0].idle_fraction - 0.15
     args = [*tiny, "--devices", "[2]", "--ways", "[pipeline]", "--schedules", "[gpipe]"]
     for costs, words in (("macs", "multiply-adds"), ("timed", "forward and backward timed")):
         out = main([*args, "--block_costs", costs])
