@@ -139,11 +139,9 @@ def _several_processes(args: list[str]) -> bool:
         strategy = trainer.get("strategy")
         if isinstance(strategy, dict) and "class_path" in strategy and int(trainer.get("devices", 1)) > 1:
             module, _, name = strategy["class_path"].rpartition(".")
-            # Lightning's FSDP strategy takes no start_method: it runs the command line again. Tensor parallelism's
-            # forked workers may abort in torch's thread pool ("Invalid thread pool!", docs/three-ways.md): it runs
-            # the command line again too, as its default does
+            # Lightning's FSDP strategy takes no start_method: it runs the command line again
             cls = getattr(importlib.import_module(module), name)
-            return not issubclass(cls, FSDPStrategy) and cls.__name__ != "TensorParallelStrategy"
+            return not issubclass(cls, FSDPStrategy)
     return False
 
 

@@ -192,7 +192,7 @@ def test_metrics_count_each_sample_once_when_processes_share_a_model(tiny_data_d
     from src.strategies import TensorParallelStrategy
 
     strategy = _pipeline() if way == "pipeline" else TensorParallelStrategy(
-        processes=ProcessStart("gloo", start_method="spawn"))
+        processes=ProcessStart("gloo", start_method=START_METHOD))
     fit(tiny_data_dir, strategy, devices=2, steps=2, batch_size=BATCH, limit_val_batches=None,
         num_sanity_val_steps=0, val_check_interval=2, callbacks=[ValCounts(str(tmp_path / "counts.pt"))])
     total, _ = torch.load(tmp_path / "counts.pt")

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from src.models.classifier import ResNet18Classifier
 from src.strategies import ProcessStart, TensorParallelStrategy
 from src.strategies.tensor_plans import apply_plan, check_divisible
-from tests.helpers.runs import fit, max_param_diff, seeded_model, stop_then_resume
+from tests.helpers.runs import START_METHOD, fit, max_param_diff, seeded_model, stop_then_resume
 
 # the shipped recipe's optimizer and schedule: momentum 0.9 (fit's default), weight decay, warm-up then cosine
 RECIPE = {"weight_decay": 5e-4, "scheduler": "cosine", "warmup_epochs": 0.5}
@@ -21,8 +21,7 @@ BATCHES = {"lenet": BATCH, "resnet18": 4}
 
 
 def _tp() -> TensorParallelStrategy:
-    # spawned: forked workers may abort in torch's thread pool under DTensor (docs/three-ways.md)
-    return TensorParallelStrategy(processes=ProcessStart("gloo", start_method="spawn"))
+    return TensorParallelStrategy(processes=ProcessStart("gloo", start_method=START_METHOD))
 
 
 def test_a_network_without_a_plan_and_shares_that_do_not_divide_are_refused():
@@ -33,7 +32,7 @@ def test_a_network_without_a_plan_and_shares_that_do_not_divide_are_refused():
         check_divisible("the output channels of conv1", 20, 3)
 
 
-@pytest.mark.slow  # 2 spawned processes per network
+@pytest.mark.slow  # 2 forked processes per network
 @pytest.mark.parametrize("model", ["lenet", "resnet18"])
 def test_both_networks_split_within_layers_equal_one_device(tiny_data_dir, tmp_path, model):
     """20 steps in float64 with momentum, weight decay and warm-up then cosine: the parameters end where one
@@ -55,7 +54,7 @@ def test_both_networks_split_within_layers_equal_one_device(tiny_data_dir, tmp_p
     assert not any(isinstance(p, DTensor) for p in split.parameters())  # whole again after the run
 
 
-@pytest.mark.slow  # 2 spawned processes in each direction
+@pytest.mark.slow  # 2 forked processes in each direction
 @pytest.mark.parametrize("first, then", [("tensor_parallel", "single"), ("single", "tensor_parallel")])
 def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, then):
     makers = {"tensor_parallel": lambda: (_tp(), 2), "single": lambda: ("auto", 1)}
@@ -71,12 +70,12 @@ def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, t
     assert torch.is_tensor(momentum[0])
 
 
-@pytest.mark.slow  # 4 spawned processes
+@pytest.mark.slow  # 4 forked processes
 def test_two_replicas_of_the_split_model_equal_one_device(tiny_data_dir):
     """Tensor x data parallelism on a (2, 2) device mesh: 2 replicas of LeNet split in 2 shares each, each replica
     taking half of every global batch, their gradients averaged: one device's model after 20 steps (1e-9)."""
     one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
-    strategy = TensorParallelStrategy(replicas=2, processes=ProcessStart("gloo", start_method="spawn"))
+    strategy = TensorParallelStrategy(replicas=2, processes=ProcessStart("gloo", start_method=START_METHOD))
     both, _, _ = fit(tiny_data_dir, strategy, devices=4, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
     print(f"tensor x data, 2 replicas x 2 shares: {max_param_diff(one, both):.3g} from one device")
     assert max_param_diff(one, both) <= 1e-9 and max_param_diff(one, seeded_model(model_kwargs=RECIPE)) > 0.1

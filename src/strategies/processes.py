@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -121,6 +122,12 @@ class ProcessesParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Select the root device; with several processes, join the process group (as DDP does)."""
+        if self.multi_process and self._start_method == "fork":
+            # A forked child's first call to set_num_threads rebuilds torch's pthreadpool, which fork left marked
+            # corrupt. Every thread torch starts later calls it as well (at::init_num_threads); made concurrently,
+            # one of the calls may see no pool and abort ("Invalid thread pool!", ATen/ParallelOpenMP.cpp). Made
+            # here, in the only thread, before the process group and the step start theirs.
+            torch.set_num_threads(torch.get_num_threads())
         super().setup_environment()
         if self.multi_process:
             reset_seed()  # every process starts from the seed that `seed_everything` set in the launching one
