@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from src.cli import main
 from src.models.classifier import LeNetClassifier
 from src.strategies import CompressionSpec, ProcessStart, SplitAllreduceStrategy
 from src.strategies.comm.compression import compressed_rank
@@ -106,36 +107,47 @@ def test_bf16_sends_a_quarter_of_float64_and_keeps_both_processes_identical(tiny
         assert r["sent"] == [N * 2] and r["uncompressed"] == [N * 8]
 
 
-def _torchrun_job(tmp: Path, data_dir: Path, kill: bool) -> tuple[int, str, Path]:
-    """2 processes under torchrun (restarted once if one dies), ours with PowerSGD rank 2 after 2 exact steps,
-    float64, 10 steps, last.ckpt every 4 steps, `--ckpt_path auto`; returns the exit code, output and run folder."""
+def _powersgd_job(tmp: Path, data_dir: Path) -> list[str]:
+    """The CLI arguments of 2 processes of ours with PowerSGD rank 2 after 2 exact steps, float64, 10 steps,
+    last.ckpt every 4 steps, `--ckpt_path auto`, logging under `tmp`."""
     tmp.mkdir()
     overlay = tmp / "callbacks.yaml"
     overlay.write_text(RESUMABLE_CALLBACKS)
-    cli = ["-m", "src.cli", "fit", "--config", "configs/lenet.yaml", "--config",
-           "configs/strategy/split_allreduce_processes.yaml", "--config", str(overlay),
-           "--trainer.strategy.init_args.compression.kind", "powersgd",
-           "--trainer.strategy.init_args.compression.warmup_steps", "2", *RESUMABLE_FLOAT64,
-           *data_args(data_dir, batch_size=50), *trainer_args(tmp / "logs", eval_batches=1), "--ckpt_path", "auto"]
-    if kill:  # rank 1's worker dies after step 6: both restart from step 4's checkpoint
-        cli += ["--trainer.callbacks+", '{"class_path": "tests.helpers.killers.KillNodeAtStep", '
-                '"init_args": {"step": 6, "node": "0", "agent": false, "rank": 1}}']
+    return ["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/split_allreduce_processes.yaml",
+            "--config", str(overlay), "--trainer.strategy.init_args.compression.kind", "powersgd",
+            "--trainer.strategy.init_args.compression.warmup_steps", "2", *RESUMABLE_FLOAT64,
+            *data_args(data_dir, batch_size=50), *trainer_args(tmp / "logs", eval_batches=1), "--ckpt_path", "auto"]
+
+
+def _last_checkpoint(tmp: Path) -> Path:
+    runs = list((tmp / "logs" / "lenet").glob("*/*/checkpoints/last.ckpt"))
+    return runs[0] if len(runs) == 1 else tmp
+
+
+def _torchrun_job(tmp: Path, data_dir: Path) -> tuple[int, str, Path]:
+    """The job under torchrun (restarted once if one dies), rank 1's worker SIGKILLed after step 6, so that both
+    restart from step 4's checkpoint; returns the exit code, output and last.ckpt."""
+    cli = ["-m", "src.cli", *_powersgd_job(tmp, data_dir)]
+    cli += ["--trainer.callbacks+", '{"class_path": "tests.helpers.killers.KillNodeAtStep", '
+            '"init_args": {"step": 6, "node": "0", "agent": false, "rank": 1}}']
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "WORLD"))}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--max-restarts", "1", *cli], cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TEST_NODE": "0",
                                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # no keys left from before a restart
-    runs = list((tmp / "logs" / "lenet").glob("*/*/checkpoints/last.ckpt"))
-    return proc.returncode, proc.stdout + proc.stderr, runs[0] if len(runs) == 1 else tmp
+    return proc.returncode, proc.stdout + proc.stderr, _last_checkpoint(tmp)
 
 
 def test_sigkill_then_resume_with_powersgd_ends_bitwise_as_uninterrupted(tiny_data_dir, tmp_path):
-    code, text, killed = _torchrun_job(tmp_path / "killed", tiny_data_dir, kill=True)
+    """The uninterrupted job runs the same command line in this process, its 2 processes forked rather than
+    started by torchrun: the same 2 gloo processes of one thread each, without two more interpreters to start."""
+    code, text, killed = _torchrun_job(tmp_path / "killed", tiny_data_dir)
     assert code == 0, text[-6000:]
     assert "restart 1: resumed at step 4 on 2 processes, 2 steps redone" in text, text[-6000:]
     assert "gradient compression: PowerSGD rank 2 resumed at step 4, each process's error memory back" in text
-    code, text, whole = _torchrun_job(tmp_path / "whole", tiny_data_dir, kill=False)
-    assert code == 0, text[-6000:]
+    main([*_powersgd_job(tmp_path / "whole", tiny_data_dir), "--trainer.strategy.init_args.processes.start_method",
+          START_METHOD, "--trainer.logger.init_args.version", "whole"])  # torchrun names the other by its job id
+    whole = _last_checkpoint(tmp_path / "whole")
     a, b = torch.load(killed, weights_only=True), torch.load(whole, weights_only=True)
     assert a["global_step"] == b["global_step"] == STEPS
     for name, t in b["state_dict"].items():
