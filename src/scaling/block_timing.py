@@ -13,10 +13,11 @@ The blocks are the pipeline's (`src.strategies.pipeline_stages.named_blocks`); t
 the model is built, timed and dropped.
 """
 
-import importlib
 import json
 import time
 from functools import cache
+
+from src.scaling.layer_profile import built_module
 
 
 class _Stamp:
@@ -53,8 +54,7 @@ def _timed(class_path: str, init_args_json: str, samples: int, threads: int, rep
 
     from src.strategies.pipeline_stages import named_blocks
 
-    module_name, _, cls_name = class_path.rpartition(".")
-    module = getattr(importlib.import_module(module_name), cls_name)(**json.loads(init_args_json))
+    module = built_module(class_path, init_args_json)
     blocks = [block for _, block in named_blocks(module.net.train())]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

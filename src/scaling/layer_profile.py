@@ -137,12 +137,19 @@ def _layer_hook(rec: _Recorder, name: str, kind: str | None):
 
 
 @cache
+def built_module(class_path: str, init_args_json: str):
+    """The LightningModule `class_path` (e.g. src.models.classifier.LeNetClassifier) built with the keyword
+    arguments in `init_args_json` (a JSON object). Raises ImportError or AttributeError for a path that names no
+    importable class."""
+    module_name, _, cls_name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), cls_name)(**json.loads(init_args_json))
+
+
 def _profile(class_path: str, init_args_json: str) -> NetProfile:
     from src.strategies.pipeline_stages import named_blocks
 
-    module_name, _, cls_name = class_path.rpartition(".")
-    module = getattr(importlib.import_module(module_name), cls_name)(**json.loads(init_args_json))
-    net = module.net.train()
+    module = built_module(class_path, init_args_json)
+    cls_name, net = type(module).__name__, module.net.train()
     blocks = named_blocks(net)
     layers = split_layers(net)
     one, two = _record(module, blocks, layers, 1), _record(module, blocks, layers, 2)
