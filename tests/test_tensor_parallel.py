@@ -20,8 +20,8 @@ STEPS, BATCH = 20, 24
 BATCHES = {"lenet": BATCH, "resnet18": 4}
 
 
-def _tp() -> TensorParallelStrategy:
-    return TensorParallelStrategy(processes=ProcessStart("gloo", start_method=START_METHOD))
+def _tp(**kwargs) -> TensorParallelStrategy:
+    return TensorParallelStrategy(processes=ProcessStart("gloo", start_method=START_METHOD), **kwargs)
 
 
 def test_a_network_without_a_plan_and_shares_that_do_not_divide_are_refused():
@@ -75,7 +75,6 @@ def test_two_replicas_of_the_split_model_equal_one_device(tiny_data_dir):
     """Tensor x data parallelism on a (2, 2) device mesh: 2 replicas of LeNet split in 2 shares each, each replica
     taking half of every global batch, their gradients averaged: one device's model after 20 steps (1e-9)."""
     one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
-    strategy = TensorParallelStrategy(replicas=2, processes=ProcessStart("gloo", start_method=START_METHOD))
-    both, _, _ = fit(tiny_data_dir, strategy, devices=4, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
+    both, _, _ = fit(tiny_data_dir, _tp(replicas=2), devices=4, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
     print(f"tensor x data, 2 replicas x 2 shares: {max_param_diff(one, both):.3g} from one device")
     assert max_param_diff(one, both) <= 1e-9 and max_param_diff(one, seeded_model(model_kwargs=RECIPE)) > 0.1

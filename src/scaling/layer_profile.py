@@ -136,7 +136,6 @@ def _layer_hook(rec: _Recorder, name: str, kind: str | None):
     return hook
 
 
-@cache
 def built_module(class_path: str, init_args_json: str):
     """The LightningModule `class_path` (e.g. src.models.classifier.LeNetClassifier) built with the keyword
     arguments in `init_args_json` (a JSON object). Raises ImportError or AttributeError for a path that names no
@@ -145,6 +144,7 @@ def built_module(class_path: str, init_args_json: str):
     return getattr(importlib.import_module(module_name), cls_name)(**json.loads(init_args_json))
 
 
+@cache
 def _profile(class_path: str, init_args_json: str) -> NetProfile:
     from src.strategies.pipeline_stages import named_blocks
 
