@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from tests.helpers import cli_args
 from tests.helpers.idx import write_fashion_mnist
-from tests.helpers.process_guard import (  # noqa: F401 (an autouse fixture and two hooks, found here by name)
-    only_slow_tests_start_processes, pytest_runtest_call, pytest_runtest_setup)
+from tests.helpers.process_guard import (  # noqa: F401 (an autouse fixture and three hooks, found here by name)
+    only_slow_tests_start_processes, pytest_fixture_setup, pytest_runtest_call, pytest_runtest_setup)
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 # One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2

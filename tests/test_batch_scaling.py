@@ -119,8 +119,9 @@ def _max_abs_weight(model: torch.nn.Module) -> float:
     return max(p.detach().abs().max().item() for p in model.parameters())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch,accumulate,seed", [(32, 1, 0), (32, 2, 1), (512, 1, 0)])
+@pytest.mark.parametrize("batch,accumulate,seed", [
+    (32, 1, 0), (32, 2, 1),
+    pytest.param(512, 1, 0, marks=pytest.mark.slow(compute="20 LeNet steps in float64 at global batch 512"))])
 def test_lenet_quick_try_trains_at_any_batch(grid_data_dir, batch, accumulate, seed):
     """20 steps of configs/lenet.yaml at global batch 32, 64 (32 x 2) and 512 (peak lr 0.035, 0.05, 0.141) in
     float64, two seeds: every loss finite, the weights stay small (about 1 to 4 in the real-data runs; diverged
@@ -135,7 +136,7 @@ def test_lenet_quick_try_trains_at_any_batch(grid_data_dir, batch, accumulate, s
     assert float(trainer.callback_metrics["val/loss"]) < math.log(10)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(compute="20 LeNet steps in float64 at global batch 512, diverging")
 def test_the_linear_rule_diverges_where_the_shipped_rule_trains(grid_data_dir):
     """The control: on the same data and seed, the former rule (lr x B / 64, warmup squeezed into the run) takes
     global batch 512 to lr 0.4 in 20 steps and blows the weights up (to about 1e8 here), so the test above can tell
