@@ -69,8 +69,13 @@ def _fails(args, capsys, *expected):
      ["config file configs/strategy/split_allreduce_zero.yaml does not exist", "did you mean "
       "configs/strategy/split_allreduce_zero2.yaml or configs/strategy/split_allreduce_zero1.yaml"]),
     (["--config", "configs/strategy/zzz.yaml"], ["configs/strategy/ holds ddp_cpu.yaml, "]),
+    # src/run/launch_checks.py, before the run starts (and before DDP would start its processes)
+    (["--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.sync_batchnorm", "true"],
+     ["trainer.sync_batchnorm: true with DDP on the CPU"]),
 ])
-def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
+def test_bad_options(fast_args, tmp_path, capsys, monkeypatch, extra, expected):
+    """Refused before the run's folder is made: no folder even with the cleanup of refused runs switched off."""
+    monkeypatch.setattr("src.cli.discard_unfinished_runs", lambda: [])
     _fails([*LENET, *fast_args, *extra], capsys, *expected)
     assert not list((tmp_path / "logs").glob("**/version_*"))  # nothing written for a run that never started
 
@@ -86,18 +91,21 @@ def test_bad_options(fast_args, tmp_path, capsys, extra, expected):
     (["--config", "configs/strategy/split_allreduce_zero2.yaml",
       "--trainer.callbacks+=tests.helpers.user_callbacks.ClipsGradients"],
      ["zero_stage 2 keeps no whole gradient: on_before_optimizer_step", "Use zero_stage: 1"]),
-    # src/run/launch_checks.py, before the run starts
-    (["--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.sync_batchnorm", "true"],
-     ["trainer.sync_batchnorm: true with DDP on the CPU"]),
 ])
-def test_a_run_refused_once_it_has_begun_leaves_no_folder(fast_args, tmp_path, capsys, extra, expected):
+def test_a_run_refused_once_it_has_begun_leaves_no_folder(fast_args, tmp_path, capsys, monkeypatch, extra,
+                                                          expected):
     """Refusals that come when training starts or at its first step, after the logger made the run's folder, take
-    the folder away again; an earlier run of the same model keeps its own."""
+    the folder away again; an earlier run of the same model keeps its own. The control: the same refusal with the
+    cleanup switched off leaves its folder."""
     assert run([*LENET, *fast_args, "--test_after_fit", "false"]) == 0
     before = sorted(p for p in (tmp_path / "logs").rglob("*"))
-    assert [p.name for p in before if p.name.startswith("version_")] == ["version_0"]  # the control: a run's folder
+    assert [p.name for p in before if p.name.startswith("version_")] == ["version_0"]  # an earlier run's folder
     _fails([*LENET, *fast_args, *extra], capsys, *expected)
     assert sorted(p for p in (tmp_path / "logs").rglob("*")) == before
+    monkeypatch.setattr("src.cli.discard_unfinished_runs", lambda: [])
+    _fails([*LENET, *fast_args, *extra], capsys, *expected)
+    [left] = set((tmp_path / "logs").glob("**/version_*")) - set(before)  # the refused run's own folder
+    assert (left / "config.yaml").is_file()
 
 
 def test_a_run_that_fails_after_it_trained_keeps_its_folder(fast_args, tmp_path, capsys):

@@ -1,7 +1,9 @@
 """Every option an error message tells a user to set exists where the message sends them: each `--flag` and each
 `key: value` hint in the strings of the project's raise statements (and of the modules that word the CLI's errors)
-resolves against the parser that takes it: the CLI's (`python -m src.cli fit --help`, the classes' own arguments for
-`init_args`), the forecast's, the lab's or torchrun's."""
+resolves against the parser of the program whose code raises it: the CLI's (`python -m src.cli fit --help`, the
+classes' own arguments for `init_args`), the forecast's (src/scaling/) or the lab's (src/lab/), or, for a flag, the
+parser of a program the message names before it (`torchrun --nnodes N ... -m src.cli fit --config ...`). A bare
+`zero_stage: 1` or a group's `compression.kind: none` is an init_arg of the strategy whose module raises it."""
 
 import argparse
 import ast
@@ -25,6 +27,13 @@ CONFIG_KEY = re.compile(r"(?<![\w.-])((?:model|trainer|data)\.[a-z_]+(?:\.[a-z_]
 MESSAGE_MODULES = ("src/run/errors.py", "src/run/trainer_choices.py")
 # words that name a strategy, a function or a file the message is about, not a setting
 NOT_SETTINGS = {"split_allreduce", "claim_global_batch", "data.pkl"}
+# a program a message names: the flags after it may be that program's
+PROGRAM_NAMES = {"torchrun": re.compile(r"\btorchrun\b"), "cli": re.compile(r"\bsrc\.cli\b"),
+                 "lab": re.compile(r"\bsrc\.lab\b"), "forecast": re.compile(r"\bsrc\.forecast\b")}
+# the strategy whose init_args the bare keys of a module name (a module of that strategy alone)
+STRATEGY_OF = {"src/strategies/limits.py": "SplitAllreduceStrategy", "src/strategies/partitions.py":
+               "SplitAllreduceStrategy", "src/strategies/zero.py": "SplitAllreduceStrategy",
+               "src/strategies/pipeline.py": "PipelineStrategy"}
 
 
 def _strings(node: ast.AST):
@@ -33,8 +42,15 @@ def _strings(node: ast.AST):
             yield n.value
 
 
-def _hints() -> list[tuple[str, str, str]]:
-    """(file, "flag" or "key", name) for every hint in the project's messages."""
+def _raiser(file: str) -> str:
+    """The program whose code is in `file`: src/scaling/ runs under `python -m src.forecast` only, src/lab/ under
+    `python -m src.lab`, the rest under the CLI."""
+    return "forecast" if file.startswith("src/scaling/") else "lab" if file.startswith("src/lab/") else "cli"
+
+
+def _hints() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """(file, "flag" or "key", name, the programs its message names before it) for every hint in the project's
+    messages."""
     found = set()
     for path in sorted((ROOT / "src").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
@@ -42,9 +58,11 @@ def _hints() -> list[tuple[str, str, str]]:
         texts = [s for s in _strings(tree)] if rel in MESSAGE_MODULES else [
             "".join(_strings(n.exc)) for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None]
         for text in texts:
-            found |= {(rel, "flag", m.group(1)) for m in FLAG.finditer(text)}
-            found |= {(rel, "key", m.group(1)) for m in KEY_VALUE.finditer(text)}
-            found |= {(rel, "key", m.group(1).rstrip(".")) for m in CONFIG_KEY.finditer(text)}
+            found |= {(rel, "flag", m.group(1), tuple(p for p, named in PROGRAM_NAMES.items()
+                                                      if named.search(text, 0, m.start())))
+                      for m in FLAG.finditer(text)}
+            found |= {(rel, "key", m.group(1), ()) for m in KEY_VALUE.finditer(text)}
+            found |= {(rel, "key", m.group(1).rstrip("."), ()) for m in CONFIG_KEY.finditer(text)}
     return sorted(found)
 
 
@@ -89,35 +107,63 @@ def _parser_flags(parser: argparse.ArgumentParser) -> set[str]:
     return flags
 
 
-def _forecast_flags() -> set[str]:
-    from dataclasses import fields
+def _forecast_flags(monkeypatch) -> set[str]:
+    """The options of the parser that `python -m src.forecast` builds, caught where its `main` hands it over."""
+    import src.scaling.predictor as predictor
 
-    from src.scaling.predictor import Calibration, Overrides, Paths, Question
+    class Caught(Exception):
+        pass
 
-    return {f.name for cls in (Question, Overrides, Paths, Calibration) for f in fields(cls)} | {"config"}
+    parsers = []
+
+    def catch(parser, args):
+        parsers.append(parser)
+        raise Caught
+
+    monkeypatch.setattr(predictor, "parse_options", catch)
+    with pytest.raises(Caught):
+        predictor.main([])
+    return _parser_flags(parsers[0])
 
 
-def test_every_hint_in_an_error_message_names_a_real_option():
+def _missing_from(file: str, kind: str, name: str, named: tuple[str, ...], parsers: dict[str, set[str]],
+                  cli: set[str]) -> str | None:
+    """None where the hint is an option of the parser that takes it (see the module's docstring), else that
+    parser in words."""
+    from src import strategies
+
+    strategy = STRATEGY_OF.get(file)
+    init_args = _parameters(getattr(strategies, strategy)) if strategy else set()
+    if name.startswith("trainer.strategy.init_args.") and strategy:  # a key or a flag of its own strategy
+        return None if name.removeprefix("trainer.strategy.init_args.") in init_args else f"{strategy}'s init_args"
+    if kind == "flag":
+        programs = sorted({_raiser(file), *named})
+        found = any(name in cli if program == "cli" and "." in name else name in parsers[program]
+                    for program in programs)
+        return None if found else " or ".join(f"{program}'s parser" for program in programs)
+    if name.startswith(("model.", "trainer.", "data.")):
+        return None if name in cli or name in NOT_SETTINGS else "the CLI's config"
+    if name in init_args or name in NOT_SETTINGS:  # `zero_stage: 1`, `compression.kind: none`
+        return None
+    return f"{strategy}'s init_args" if strategy else "any strategy's init_args: add the module to STRATEGY_OF"
+
+
+def test_every_hint_in_an_error_message_names_a_real_option(monkeypatch):
     from torch.distributed.run import get_args_parser
 
     from src.lab.__main__ import build_parser
 
     cli = _cli_keys()
-    top = {k for k in cli if "." not in k}
-    other = {"forecast": _forecast_flags(), "lab": _parser_flags(build_parser()),
-             "torchrun": _parser_flags(get_args_parser())}
-    settings = {k.rsplit(".", 1)[-1] for k in cli}  # a bare `zero_stage: 1` names an init_arg by its own name
-    hints, unresolved = _hints(), []
-    for file, kind, name in hints:
-        if kind == "flag" and "." in name:
-            ok = name in cli
-        elif kind == "flag":
-            ok = name in top or any(name in flags for flags in other.values())
-        elif "." in name:  # a full key, or a group's field by the group's name (`compression.kind: none`)
-            ok = name in cli or any(k.endswith(f".init_args.{name}") for k in cli) or name in NOT_SETTINGS
-        else:
-            ok = name in settings or name in NOT_SETTINGS
-        if not ok:
-            unresolved.append(f"{file}: {'--' if kind == 'flag' else ''}{name}{'' if kind == 'flag' else ': '}")
-    assert len(hints) > 40, hints  # the control: the scan finds the hints (51 when this was written)
+    parsers = {"cli": {k for k in cli if "." not in k}, "forecast": _forecast_flags(monkeypatch),
+               "lab": _parser_flags(build_parser()), "torchrun": _parser_flags(get_args_parser())}
+    # the control: the parsers differ where hints send users to one of them
+    assert "nnodes" in parsers["torchrun"] and "nnodes" not in parsers["cli"] | parsers["lab"]
+    assert "ckpt_path" in parsers["cli"] and "ckpt_path" not in parsers["forecast"] | parsers["lab"]
+    assert "machines" in parsers["lab"] and "machines" not in parsers["cli"]
+    hints = _hints()
+    unresolved = [f"{file}: {'--' if kind == 'flag' else ''}{name}{'' if kind == 'flag' else ': '} (not in {where})"
+                  for file, kind, name, named in hints
+                  if (where := _missing_from(file, kind, name, named, parsers, cli)) is not None]
+    assert len(hints) > 100, hints  # the control: the scan finds the hints (129 when this was written)
+    assert any(named == ("torchrun",) for *_, named in hints)  # and tells which program a message names
     assert not unresolved, unresolved
