@@ -3,6 +3,7 @@
     python -m benchmarks.three_ways --model lenet --batch 128 --steps 12 --rounds 3
     python -m benchmarks.three_ways --model resnet18 --batch 32 --steps 8 --rounds 2
     python -m benchmarks.three_ways --model lenet --out benchmarks/three_ways.json   # add the rows to the file
+    python -m benchmarks.three_ways --ways one_core,data,tensor_parallel --rounds 1  # some of the ways only
 
 Each trial is a fresh command (`--one WAY`) that trains `--steps` optimizer steps with the real Trainer, in float32
 with SGD (momentum 0.9), on a synthetic Fashion-MNIST of the real size's shape; the ways are alternated round by
@@ -66,7 +67,7 @@ def tcp_bytes_sent(pid: int) -> int:
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
     total, mine = 0, False
     for line in out.splitlines():
-        if "users:((" in line:  # a socket's line; its tcp_info follows on the next
+        if not line[:1].isspace():  # a socket's line (its owners, if any, in users:); its tcp_info follows indented
             mine = f"pid={pid}," in line
         elif mine and (m := re.search(r"\bbytes_sent:(\d+)", line)):
             total += int(m.group(1))
@@ -124,6 +125,9 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.sent.append(tcp_bytes_sent(os.getpid()))
+        # no process may leave before every one has read its counters: a peer's teardown closes the sockets it
+        # shares with this one, whose counts would then be gone from this one's last reading
+        trainer.strategy.barrier("three_ways_probe")
         steps = len(self.seconds)
         figures = {"rank": trainer.global_rank, **self.held, "activation_peak": int(statistics.median(self.rises)),
                    "bytes_sent_per_step": (self.sent[-1] - self.sent[0]) / steps, "step_ms": [s * 1e3 for s in
@@ -187,29 +191,31 @@ def trial(args: argparse.Namespace, way: str, report: Path, timeline: bool = Fal
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every way, alternated over `args.rounds`; then a recorded trial of each pipeline schedule. Returns the rows."""
+    """The ways of `args.ways`, alternated over `args.rounds`; then a recorded trial of each pipeline schedule among
+    them. Returns the rows."""
     work = Path(tempfile.mkdtemp(prefix="three-ways-"))
-    medians: dict[str, list[float]] = {way: [] for way in WAYS}
+    medians: dict[str, list[float]] = {way: [] for way in args.ways}
     last: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
-        for way in WAYS:
+        for way in args.ways:
             ranks = trial(args, way, work / f"{way}-{r}")
             if way.startswith("pipeline") and not args.cuts:  # the cut of the first trial, fixed from then on
                 args.cuts = (work / f"{way}-{r}" / "cuts.json").read_text()
             medians[way].append(statistics.median(ranks[0]["step_ms"]))
             last[way] = ranks
         print(f"round {r + 1}: " + ", ".join(f"{w} {m[-1]:.1f} ms" for w, m in medians.items()), flush=True)
-    one_device, one_core = statistics.median(medians["one_device"]), statistics.median(medians["one_core"])
+    # the ratios' references; a ratio is None where its reference was not among the ways run
+    one_device, one_core = (statistics.median(medians[w]) if w in medians else None for w in ("one_device", "one_core"))
     rows = []
-    for way in WAYS:
+    for way in args.ways:
         step = statistics.median(medians[way])
         schedule = way.removeprefix("pipeline_") if way.startswith("pipeline") else None
         row = {"model": args.model, "way": "pipeline" if schedule else way, "schedule": schedule,
                "processes": 1 if way.startswith("one_") else 2, "batch": args.batch,
                "microbatches": args.microbatches if schedule else None,
                "cuts": json.loads(args.cuts) if schedule else None, "precision": "32-true",
-               "optimizer": "sgd_momentum", "step_ms": step, "step_ratio": step / one_device,
-               "step_ratio_one_core": step / one_core,
+               "optimizer": "sgd_momentum", "step_ms": step, "step_ratio": step / one_device if one_device else None,
+               "step_ratio_one_core": step / one_core if one_core else None,
                "per_rank": [{k: v for k, v in rank.items() if k != "step_ms"} for rank in last[way]]}
         if schedule:
             p, m = 2, args.microbatches
@@ -250,7 +256,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {name} | {both(row, 'parameters', state)} | {both(row, 'gradients', state)} | "
                      f"{both(row, 'optimizer_state', state)} | {both(row, 'activation_peak', 2**20, '{:.1f}')} | "
                      f"{both(row, 'bytes_sent_per_step', 2**10, '{:.0f}')} | {row['step_ms']:.1f} ms | "
-                     f"{row['step_ratio']:.2f} | {idle} |")
+                     f"{'' if row['step_ratio'] is None else format(row['step_ratio'], '.2f')} | {idle} |")
     return "\n".join(lines)
 
 
@@ -263,13 +269,25 @@ def data_dir(n_train: int) -> str:
     return str(root)
 
 
-def main() -> None:
+def ways(text: str) -> tuple[str, ...]:
+    """`--ways`: a comma-separated list of WAYS, run in WAYS' order."""
+    chosen = {w.strip() for w in text.split(",") if w.strip()}
+    unknown = chosen - set(WAYS)
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of {', '.join(WAYS)}, comma-separated")
+    return tuple(w for w in WAYS if w in chosen)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (`argv`: its arguments, default sys.argv's)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("lenet", "resnet18"), default="lenet")
     parser.add_argument("--batch", type=int, default=128, help="global batch")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per trial")
     parser.add_argument("--warmup", type=int, default=4, help="first steps not measured")
     parser.add_argument("--rounds", type=int, default=3, help="trials of each way, alternated")
+    parser.add_argument("--ways", type=ways, default=WAYS, help=f"the ways to run, comma-separated (default all: "
+                        f"{','.join(WAYS)}); a step ratio is left empty without its reference way")
     parser.add_argument("--microbatches", type=int, default=4, help="the pipeline's micro-batches")
     parser.add_argument("--cuts", default=None, help='the pipeline\'s cut as JSON, e.g. \'["classifier.0"]\' '
                         "(default: auto on the first trial)")
@@ -280,7 +298,7 @@ def main() -> None:
     parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one:
         return one(args)
     args.data = data_dir(args.batch * (args.steps + 1) + VAL_SIZE)  # one epoch of whole batches

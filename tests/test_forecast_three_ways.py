@@ -191,11 +191,15 @@ def test_stage_activations_are_what_autograd_saves_in_the_strategy_s_stage(cls, 
 
 @pytest.fixture
 def fake_world():
+    """A fake process group of 2 as the default group, which the plan's device mesh needs. A group that an earlier
+    test left initialised in this worker (a finished run's: no later test may rely on it, the order being free) is
+    destroyed first as at exit (`src.run.cleanup`), so this test always runs."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+    from src.run.cleanup import destroy_process_group
+
+    destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield
     dist.destroy_process_group()
@@ -345,7 +349,7 @@ def _measured(path, rows):
 
 def test_compare_with_measured_rows(tmp_path):
     # the model state counted from LeNet's tensors; the traffic and the resident set as a measurement might give
-    stage = {"rank": 0, "parameters": 800, "gradients": 800, "optimizer_state": 800, "activation_peak": 3_000_000,
+    stage = {"rank": 0, "parameters": 800, "gradients": 804, "optimizer_state": 800, "activation_peak": 3_000_000,
              "bytes_sent_per_step": 1_900_000, "idle_fraction": 0.8}
     tensor = {"rank": 1, "parameters": 258_256, "gradients": 258_256, "optimizer_state": 258_256,
               "activation_peak": 20_000_000, "bytes_sent_per_step": 2_600_000, "idle_fraction": None}
@@ -360,6 +364,7 @@ def test_compare_with_measured_rows(tmp_path):
     out = compare_with_measured(path)
     by = {(e["row"], e["rank"], e["quantity"]): e for e in out}
     assert by[0, 0, "parameters"]["relative_error"] == 0 and by[0, 0, "parameters"]["within"] is True
+    assert by[0, 0, "gradients"]["within"] is False  # 0.5% off: the model state is held exact
     sent = by[0, 0, "bytes_sent_per_step"]
     assert sent["predicted"] == 1_730_560 and sent["relative_error"] == pytest.approx(1_730_560 / 1_900_000 - 1)
     assert sent["within"] is False  # 9% off: outside the 2% bound
@@ -391,13 +396,41 @@ def test_measured_file_errors(tmp_path):
                                                        "per_rank": [], "step_ms": 1.0}]))
 
 
+#: the forecast's bounds against benchmarks/three_ways.json as docs/three-ways.md states them, predicted / measured,
+#: held here rather than read from src.scaling.three_ways_measured so that loosening the code's own bounds cannot
+#: loosen the test: the model state exact, bytes sent within 2%, the step's rise of the resident set at 0.45-1.05,
+#: the step within 25% (tensor parallelism 0.5-1.05: a lower bound), the bubble exact, the mean idle share within 0.2
+MODEL_STATE = ("parameters", "gradients", "optimizer_state")
+RATIO_BOUNDS = {"bytes_sent_per_step": (0.98, 1.02), "activation_peak": (0.45, 1.05)}
+STEP_BOUNDS = {"data": (0.75, 1.25), "pipeline": (0.75, 1.25), "tensor_parallel": (0.5, 1.05)}
+MEAN_IDLE_WITHIN = 0.2
+
+
+def _inside(entry: dict) -> bool | None:
+    """Whether a compared figure lies inside the doc's bound above; None where the doc states none."""
+    q, predicted, measured, way = entry["quantity"], entry["predicted"], entry["measured"], entry["way"]
+    if q in MODEL_STATE:
+        return predicted == measured
+    if q in RATIO_BOUNDS:
+        if not measured:  # one device sends nothing, and nothing is predicted
+            return predicted == measured == 0
+        return RATIO_BOUNDS[q][0] <= predicted / measured <= RATIO_BOUNDS[q][1]
+    if q in ("step_ms", "step_vs_one_core"):
+        if way.startswith("one_"):  # the one-core row calibrates the compute; one device is not the forecast's
+            return None
+        return measured is not None and STEP_BOUNDS[way][0] <= predicted / measured <= STEP_BOUNDS[way][1]
+    if q == "bubble":
+        return predicted is None if measured is None else abs(predicted - measured) <= 1e-9
+    if q == "mean_idle":
+        return abs(predicted - measured) <= MEAN_IDLE_WITHIN
+    return None  # each stage's idle share: reported only
+
+
 def test_the_forecast_against_the_measured_rows_of_the_three_ways():
     """benchmarks/three_ways.json holds what benchmarks/three_ways.py measured (LeNet and ResNet-18, one device, one
     core and each way on 2 processes of the 2-core CPU). With the compute of one core measured in the same run and
-    each pipeline's compute split by its blocks timed here, every figure with a stated tolerance lies inside it:
-    model state within 1%, bytes sent within 2%, the step's rise of the resident set at 0.45-1.05 of the measured,
-    the bubble exact, the step of data parallelism and of the pipelines within 25%, tensor parallelism's at 0.5-1.05
-    of the measured (a lower bound), the pipeline stages' mean idle share within 0.2; every row is compared."""
+    each pipeline's compute split by its blocks timed here, every figure the doc bounds lies inside the bound stated
+    above (predicted / measured computed here, not the code's own flags); every row and process is compared."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "three_ways.json"
@@ -406,9 +439,12 @@ def test_the_forecast_against_the_measured_rows_of_the_three_ways():
         (m, w, s) for m in ("lenet", "resnet18")
         for w, s in (("one_device", None), ("one_core", None), ("data", None), ("pipeline", "gpipe"),
                      ("pipeline", "1f1b"), ("tensor_parallel", None))}
-    held = [e for e in entries if e["within"] is not None]
-    steps = {(e["model"], e["way"], e["schedule"]) for e in held if e["quantity"] == "step_ms"}
-    assert len(steps) == 2 * 4 and len([e for e in held if e["quantity"] == "mean_idle"]) == 4
-    assert len(held) >= 12 * 4  # 12 rows, 1 or 2 processes, 4 bounded figures each or more
-    outside = [e for e in held if not e["within"]]
+    verdicts = [(_inside(e), e) for e in entries]
+    held = [e for ok, e in verdicts if ok is not None]
+    count = {q: len([e for e in held if e["quantity"] == q]) for q in {e["quantity"] for e in held}}
+    # 12 rows: 4 of one process, 8 of two, so 20 processes; 8 rows of a way, 4 of them pipelines
+    assert count == {**{q: 20 for q in (*MODEL_STATE, *RATIO_BOUNDS)}, "step_ms": 8, "step_vs_one_core": 8,
+                     "bubble": 12, "mean_idle": 4}
+    outside = [(e["model"], e["way"], e["schedule"], e["rank"], e["quantity"], e["predicted"], e["measured"])
+               for ok, e in verdicts if ok is False]
     assert not outside, outside
