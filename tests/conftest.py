@@ -15,6 +15,10 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 # One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
 # cores), so no run's thread count depends on how busy the machine is (src/run/threads.py)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch, imported above, read the variable when it loaded: in this process (pytest -n 0) it would keep a thread per
+# core, and a test's process forked after a run of it on 2 threads waits forever in OpenMP's barrier for the
+# parent's threads, which fork did not copy (the tensor-parallel tests under -n 0). xdist's workers start with it.
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _find_stubs_now() -> None:

@@ -9,13 +9,15 @@ import torch
 from torch import nn
 
 from src.cli import main
+from src.models.classifier import LeNetClassifier
 from src.models.lenet import LeNet
 from src.models.resnet import ResNet18
 from src.strategies import PipelineStrategy, ProcessStart
 from src.strategies.pipeline_net import microbatches_for
 from src.strategies.pipeline_stages import balanced_starts, check_chain, cut_starts, named_blocks, stage_names
 from tests.helpers import cli_args
-from tests.helpers.runs import START_METHOD, fit, max_param_diff, seeded_model, stop_then_resume
+from tests.helpers.runs import (START_METHOD, assert_optimizer_state_as_one_devices, first_epoch_checkpoint, fit,
+                                max_param_diff, seeded_model, stop_then_resume)
 
 # the shipped recipe's optimizer and schedule: momentum 0.9 (fit's default), weight decay, warm-up then cosine
 RECIPE = {"weight_decay": 5e-4, "scheduler": "cosine", "warmup_epochs": 0.5}
@@ -105,6 +107,78 @@ def test_what_the_pipeline_cannot_run_is_refused_before_training(extra, message,
     assert message in err, err
 
 
+class ManualOptimization(LeNetClassifier):
+    """LeNet stepping its optimizer itself."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_fn(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        self.optimizers().step()
+
+
+class NoNet(LeNetClassifier):
+    """LeNet's network under another name than `net`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body = self.net
+        del self.net
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class NoLossFn(LeNetClassifier):
+    """LeNet computing its loss without a `loss_fn`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        del self.loss_fn
+
+
+def _split_way(way: str):
+    from src.strategies import TensorParallelStrategy
+
+    return _pipeline() if way == "pipeline" else TensorParallelStrategy(
+        processes=ProcessStart("gloo", start_method=START_METHOD))
+
+
+NAMES = {"pipeline": "the pipeline strategy", "tensor_parallel": "tensor parallelism"}
+
+
+@pytest.mark.parametrize("way", list(NAMES))
+@pytest.mark.parametrize("model_cls, message", [
+    (ManualOptimization, "{} supports automatic optimization only. Set automatic_optimization=True."),
+    (NoNet, "{} splits the LightningModule's `net`, as src.models.classifier.ImageClassifier has; NoNet lacks one"),
+], ids=["manual_optimization", "no_net"])
+def test_a_module_that_a_split_model_cannot_run_is_refused_at_setup(tiny_data_dir, way, model_cls, message):
+    """One process (so the refusal, at setup, is in this one), batch 24 (which 4 micro-batches divide)."""
+    with pytest.raises(RuntimeError) as refused:
+        fit(tiny_data_dir, _split_way(way), model_cls=model_cls, steps=1, batch_size=BATCH)
+    assert str(refused.value) == message.format(NAMES[way])
+
+
+def test_what_only_the_pipeline_cannot_run_is_refused_at_setup(tiny_data_dir):
+    """A module without `loss_fn` (the schedule computes each micro-batch's loss) and fp16 with a gradient scaler
+    (the schedule runs backward itself), on one process."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.raises(RuntimeError) as refused:
+        fit(tiny_data_dir, _pipeline(), model_cls=NoLossFn, steps=1, batch_size=BATCH)
+    assert str(refused.value) == ("the pipeline strategy runs a LightningModule with a `loss_fn` (each micro-batch's "
+                                  "loss), as src.models.classifier.ImageClassifier has; NoLossFn lacks one")
+    # the plugin, as `--trainer.precision 16-mixed` gives it on a GPU: on the CPU Lightning would take bf16 instead
+    with pytest.raises(RuntimeError) as refused:
+        fit(tiny_data_dir, _pipeline(), steps=1, batch_size=BATCH, precision=None,
+            plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert str(refused.value) == ("the pipeline strategy does not support fp16 with a gradient scaler (the schedule "
+                                  "runs backward itself); use --trainer.precision bf16-mixed, 32-true or 64-true")
+
+
 # the interleaved schedules run 4 stages on the 2 processes, 2 on each
 FOUR = ["features.3", "classifier", "classifier.2"]
 CUTS = {"gpipe": ["classifier"], "1f1b": ["classifier"], "interleaved_1f1b": FOUR, "interleaved_zero_bubble": FOUR}
@@ -129,16 +203,47 @@ def test_lenet_in_stages_equals_one_device_under_every_schedule(tiny_data_dir, s
 @pytest.mark.parametrize("first, then", [("pipeline", "single"), ("single", "pipeline"),
                                          ("pipeline interleaved", "single")])
 def test_checkpoints_are_one_devices_both_ways(tiny_data_dir, tmp_path, first, then):
-    """Epoch 1 of 2 under `first`, its last.ckpt resumed under `then`: the checkpoint has one device's keys, shapes
-    and optimizer state, and the resumed run ends where one device's uninterrupted run does."""
+    """Epoch 1 of 2 under `first`, its last.ckpt resumed under `then`: the checkpoint has one device's keys and
+    shapes, a pipeline's its optimizer state too (every momentum buffer within 1e-9 of one device's at the same
+    step), and the resumed run ends where one device's uninterrupted run does."""
     makers = {"pipeline": lambda: (_pipeline(), 2), "single": lambda: ("auto", 1),
               "pipeline interleaved": lambda: (_pipeline(schedule="interleaved_1f1b", cuts=FOUR), 2)}
     reference, ckpt, resumed = stop_then_resume(tiny_data_dir, tmp_path, makers[first](), makers[then]())
     assert ckpt["epoch"] == 0 and ckpt["state_dict"].keys() == reference.state_dict().keys()
     assert all(v.shape == reference.state_dict()[k].shape for k, v in ckpt["state_dict"].items())
-    assert len(ckpt["optimizer_states"][0]["state"]) == len(list(reference.parameters()))  # every momentum buffer
+    if first != "single":
+        first_epoch_checkpoint(tiny_data_dir, tmp_path / "one")
+        assert_optimizer_state_as_one_devices(tmp_path / "last.ckpt", tmp_path / "one" / "last.ckpt")
     print(f"{first} -> {then}: {max_param_diff(resumed, reference):.3g} from one device")
     assert max_param_diff(resumed, reference) <= 1e-9 and max_param_diff(reference, seeded_model()) > 0.1
+
+
+class HeldTensors(pl.Callback):
+    """Writes, from each process at the end of the first training batch, every parameter's elements and storage
+    bytes and whether the optimizer holds state for it, by name."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        state = trainer.optimizers[0].state
+        held = {name: (p.numel(), p.untyped_storage().nbytes(), p in state) for name, p in pl_module.named_parameters()}
+        torch.save(held, self.path / f"held{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow  # 2 processes
+def test_each_process_frees_the_other_stages_parameters(tiny_data_dir, tmp_path):
+    """Cut at `classifier`, after the first step: rank 0 holds LeNet's features (each parameter whole, with its
+    momentum), rank 1 its classifier, and neither has storage or optimizer state for the other's."""
+    fit(tiny_data_dir, _pipeline(), devices=2, steps=1, batch_size=BATCH, callbacks=[HeldTensors(tmp_path)])
+    whole = {name: p.numel() for name, p in LeNetClassifier().named_parameters()}
+    assert {name.split(".")[1] for name in whole} == {"features", "classifier"}
+    for rank, stage in enumerate(["features", "classifier"]):
+        held = torch.load(tmp_path / f"held{rank}.pt")
+        assert held.keys() == whole.keys()
+        for name, (numel, nbytes, has_state) in held.items():
+            mine = name.split(".")[1] == stage
+            assert (numel, nbytes > 0, has_state) == ((whole[name], True, True) if mine else (0, False, False)), name
 
 
 @pytest.mark.slow  # 2 processes through the CLI, three times
@@ -189,11 +294,7 @@ class ValCounts(pl.Callback):
 def test_metrics_count_each_sample_once_when_processes_share_a_model(tiny_data_dir, tmp_path, way):
     """Every process of a split model saw the same 100 validation images: the confusion matrix counts 100, as one
     device's does, not 100 per process (torchmetrics would sum the processes' identical states)."""
-    from src.strategies import TensorParallelStrategy
-
-    strategy = _pipeline() if way == "pipeline" else TensorParallelStrategy(
-        processes=ProcessStart("gloo", start_method=START_METHOD))
-    fit(tiny_data_dir, strategy, devices=2, steps=2, batch_size=BATCH, limit_val_batches=None,
+    fit(tiny_data_dir, _split_way(way), devices=2, steps=2, batch_size=BATCH, limit_val_batches=None,
         num_sanity_val_steps=0, val_check_interval=2, callbacks=[ValCounts(str(tmp_path / "counts.pt"))])
     total, _ = torch.load(tmp_path / "counts.pt")
     assert total == 100

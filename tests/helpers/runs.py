@@ -130,6 +130,10 @@ def assert_replicas_bitwise_equal(snapshot: ReplicaSnapshot, expected: int) -> N
             assert torch.equal(t, state[name]), f"replica differs at {name}"
 
 
+# the runs of `stop_then_resume`: 6 steps an epoch on the tiny data, a cosine schedule over the 2 epochs
+RESUMED = dict(steps=-1, batch_size=100, model_kwargs={"scheduler": "cosine"})
+
+
 def stop_then_resume(data_dir: Path, ckpt_dir: Path, first: tuple, then: tuple) -> tuple:
     """Two epochs on one device as the reference; one epoch under `first` (strategy, devices) saving last.ckpt to
     `ckpt_dir`; then that checkpoint resumed under `then` to the end of epoch 2.
@@ -137,18 +141,22 @@ def stop_then_resume(data_dir: Path, ckpt_dir: Path, first: tuple, then: tuple) 
     Returns:
         (reference model, the saved checkpoint dict, resumed model).
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    common = dict(steps=-1, batch_size=100, model_kwargs={"scheduler": "cosine"})
-    reference, _, _ = fit(data_dir, max_epochs=2, **common)
-    strategy, devices = first
-    fit(data_dir, strategy, devices=devices, max_epochs=2, enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True), StopAfterEpoch(0)], **common)
-    ckpt = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    reference, _, _ = fit(data_dir, max_epochs=2, **RESUMED)
+    ckpt = first_epoch_checkpoint(data_dir, ckpt_dir, *first)
     strategy, devices = then
     resumed, _, _ = fit(data_dir, strategy, devices=devices, max_epochs=2, ckpt_path=str(ckpt_dir / "last.ckpt"),
-                        **common)
+                        **RESUMED)
     return reference, ckpt, resumed
+
+
+def first_epoch_checkpoint(data_dir: Path, ckpt_dir: Path, strategy="auto", devices: int = 1) -> dict:
+    """Epoch 1 of `stop_then_resume`'s 2 under `strategy` on `devices`, its last.ckpt saved to `ckpt_dir`; that
+    checkpoint's dict. On one device, the checkpoint a split model's must equal."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    fit(data_dir, strategy, devices=devices, max_epochs=2, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True), StopAfterEpoch(0)], **RESUMED)
+    return torch.load(ckpt_dir / "last.ckpt", weights_only=True)
 
 
 def assert_optimizer_state_as_one_devices(saved: Path, expected: Path) -> None:
