@@ -2,6 +2,13 @@
 
 import os
 
+# One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
+# cores), so no run's thread count depends on how busy the machine is (src/run/threads.py). Set before torch is
+# imported: OpenMP reads it when torch loads it, and a parent on two OpenMP threads that forks its ranks
+# (START_METHOD) leaves them hung in their first parallel operation
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,11 +17,6 @@ from tests.helpers import cli_args
 from tests.helpers.idx import write_fashion_mnist
 from tests.helpers.process_guard import (  # noqa: F401 (an autouse fixture and two hooks, found here by name)
     only_slow_tests_start_processes, pytest_runtest_call, pytest_runtest_setup)
-
-os.environ.setdefault("PL_DISABLE_FORK", "1")
-# One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
-# cores), so no run's thread count depends on how busy the machine is (src/run/threads.py)
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _find_stubs_now() -> None:
