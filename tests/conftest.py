@@ -2,6 +2,13 @@
 
 import os
 
+# One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
+# cores), so no run's thread count depends on how busy the machine is (src/run/threads.py). Set before torch is
+# imported: OpenMP reads it when torch loads it, and a parent on two OpenMP threads that forks its ranks
+# (START_METHOD) leaves them hung in their first parallel operation
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,13 +18,8 @@ from tests.helpers.idx import write_fashion_mnist
 from tests.helpers.process_guard import (  # noqa: F401 (an autouse fixture and three hooks, found here by name)
     only_slow_tests_start_processes, pytest_fixture_setup, pytest_runtest_call, pytest_runtest_setup)
 
-os.environ.setdefault("PL_DISABLE_FORK", "1")
-# One intra-op thread per process in every run of the suite (what Lightning's launchers give 2 processes on 2
-# cores), so no run's thread count depends on how busy the machine is (src/run/threads.py)
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-# torch, imported above, read the variable when it loaded: in this process (pytest -n 0) it would keep a thread per
-# core, and a test's process forked after a run of it on 2 threads waits forever in OpenMP's barrier for the
-# parent's threads, which fork did not copy (the tensor-parallel tests under -n 0). xdist's workers start with it.
+# Should torch have been loaded before this file (a plugin importing it), it read the variable already: set its
+# thread count as well, so a process forking its ranks never runs more than the one thread
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

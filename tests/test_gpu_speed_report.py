@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import gpu_speed
 from tests.helpers.cli_args import trainer_args
@@ -68,19 +69,34 @@ def test_the_goal_table_compares_the_app_with_plain_lightning_and_ours_with_one_
 
 
 @pytest.mark.slow  # starts a process
-def test_a_fit_in_a_fresh_process_reports_its_epochs_accuracy_and_compile_seconds(tiny_data_dir, tmp_path):
+def test_a_fit_in_a_fresh_process_reports_its_epochs_accuracy_and_compile_seconds(tiny_data_dir, tmp_path,
+                                                                                   monkeypatch):
     """`gpu_speed.fit_in_fresh_process`, as the benchmark runs each recipe seed: a real CLI fit of LeNet compiled by
     TorchDynamo (the aot_eager backend, so that the CPU compiles in seconds), in a new process given its own compile
-    cache; its figures come back through the child's JSON."""
-    cache = tmp_path / "cache"
+    cache; its figures come back through the child's JSON. The test accuracy it reports is the one this test
+    computes itself from the weights the child tested (`SaveTestedWeights`) on the first 128 test images."""
+    from torchvision.datasets import FashionMNIST
+
+    from src.data.fashion_mnist import MEAN, STD
+    from src.models.classifier import LeNetClassifier
+    from tests.helpers.tested_weights import TESTED_WEIGHTS
+
+    cache, weights = tmp_path / "cache", tmp_path / "tested.pt"
+    monkeypatch.setenv(TESTED_WEIGHTS, str(weights))
     args = ["--config", "configs/lenet.yaml", "--data.val_size", "100", "--data.batch_size", "64",
             *trainer_args(max_epochs=2, train_batches=3), "--model.compile", "true", "--model.compile_backend",
-            "aot_eager", "--test_after_fit", "true"]
+            "aot_eager", "--test_after_fit", "true",
+            "--trainer.callbacks+=tests.helpers.tested_weights.SaveTestedWeights"]
     run = gpu_speed.fit_in_fresh_process(args, str(tiny_data_dir), cache)
     assert len(run.epoch_seconds) == 2 and all(s > 0 for s in run.epoch_seconds)
-    assert 0.0 <= run.test_acc <= 1.0
-    # a count over the 2 test batches of 64 images it ran, not a number made up
-    assert abs(run.test_acc * 128 - round(run.test_acc * 128)) < 1e-6
+    # the 2 test batches of 64 it ran are the test split's first 128 images, in order (evaluation is not shuffled)
+    test = FashionMNIST(str(tiny_data_dir), train=False, download=False)
+    x = (test.data[:128].unsqueeze(1).float() / 255 - MEAN) / STD
+    net = LeNetClassifier().net
+    net.load_state_dict(torch.load(weights, weights_only=True))
+    with torch.no_grad():
+        correct = (net.eval()(x).argmax(dim=1) == test.targets[:128]).sum().item()
+    assert run.test_acc == pytest.approx(correct / 128, abs=1e-6), (run.test_acc, correct)
     assert run.compile_s is not None and run.compile_s > 0  # the training graph at least was compiled
     assert run.wall_s > run.compile_s and run.wall_s > sum(run.epoch_seconds)
     assert json.loads(json.dumps(vars(run)))  # its figures are plain numbers

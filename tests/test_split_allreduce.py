@@ -199,6 +199,50 @@ def test_desync_check_names_the_parameter(tiny_data_dir):
         fit(tiny_data_dir, SplitAllreduceStrategy(devices=[CPU, CPU]), steps=6, callbacks=[_Corrupt(check=True)])
 
 
+class _MoveRank1(pl.Callback):
+    """Adds 1e-3 to rank 1's copy of one bias after optimizer step 4 (batch 3's end), and does nothing else."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 3 and trainer.global_rank == 1:
+            with torch.no_grad():
+                pl_module.net.classifier[3].bias.add_(1e-3)
+
+
+class _SaveBias(pl.Callback):
+    """Each rank saves its final copy of that bias to `<folder>/bias<rank>.pt`."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(pl_module.net.classifier[3].bias.detach().clone(), self.folder / f"bias{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow  # starts two processes
+def test_check_sync_every_alone_catches_a_desync_between_processes(tiny_data_dir, tmp_path):
+    """2 x 1 over gloo: a callback moves rank 1's copy of one bias by 1e-3 after optimizer step 4. Both ranks then
+    apply the same allreduced update, so the difference stays; `check_sync_every: 3` raises at its next check,
+    after step 6, naming the rank, the tensor, the difference and the step. Control: the same run with the check
+    off ends without an error, the ranks still 1e-3 apart, so the error is the periodic check's. (Within one
+    process no such check can fire: every forward pass first copies replica 0's parameters to the other
+    replicas, test_a_replica_changed_between_steps_takes_replica_0s_parameters_again.)"""
+    from src.strategies import ProcessStart
+    from tests.helpers.runs import START_METHOD
+
+    def ours(every):
+        return SplitAllreduceStrategy(processes=ProcessStart("gloo", start_method=START_METHOD),
+                                      check_sync_every=every)
+
+    # the worker's ReplicaDesyncError reaches this process inside torch.multiprocessing's ProcessRaisedException
+    with pytest.raises(Exception, match=r"ReplicaDesyncError: rank 1's replica 0 differs from rank 0's at "
+                                        r"'net.classifier.3.bias' \(max abs difference 1.000e-03\) after optimizer "
+                                        r"step 6\n"):
+        fit(tiny_data_dir, ours(3), devices=2, steps=8, callbacks=[_MoveRank1()])
+    fit(tiny_data_dir, ours(0), devices=2, steps=8, callbacks=[_MoveRank1(), _SaveBias(tmp_path)])
+    apart = torch.load(tmp_path / "bias1.pt") - torch.load(tmp_path / "bias0.pt")
+    assert apart.abs().max().item() == pytest.approx(1e-3, rel=1e-9)
+
+
 def test_a_replica_changed_between_steps_takes_replica_0s_parameters_again(tiny_data_dir):
     """Each forward pass starts from replica 0's parameters (as DataParallel replicates): a change made to another
     replica between steps does not reach the result, which stays one device's."""

@@ -3,15 +3,18 @@
 import csv
 import json
 import re
+import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from src.callbacks import StepTimeline
 from src.timeline import labels
 from src.timeline.breakdown import CATEGORIES, Span, classify_step, load_spans, process_breakdown, steps_of
-from src.timeline.picture import lane_bars
+from src.timeline.picture import COLOURS as PICTURE_COLOURS, lane_bars
 from tests.helpers.runs import ddp, fit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +27,7 @@ def _names(path):
     return {s.name for s in load_spans(path)}
 
 
-def _check_breakdown(folder, ranks):
+def _check_breakdown(folder, ranks, lanes):
     """Every recorded step splits into the categories, with at most 10% of it unattributed, and the table agrees.
 
     The tests record steps of 128 images (about 50 ms of LeNet in float64): time the OS takes between two labelled
@@ -40,7 +43,7 @@ def _check_breakdown(folder, ranks):
     table = list(csv.DictReader((folder / "breakdown.csv").open()))
     assert [int(r["rank"]) for r in table] == list(range(ranks))
     assert all(float(r["unattributed_fraction"]) <= 0.10 for r in table)
-    assert (folder / "timeline.png").stat().st_size > 10_000
+    _check_lanes_drawn(folder, ranks, lanes // ranks)
     assert "exposed communication" in (folder / "breakdown.md").read_text()
     _check_markdown_sums(folder, ranks)
 
@@ -81,6 +84,145 @@ def _check_markdown_sums(folder, ranks):
         steps = [e["dur"] / 1000 for e in trace["traceEvents"]
                  if e.get("ph") == "X" and str(e.get("name", "")).startswith("dp/step ")]
         assert len(steps) >= 2 and step == pytest.approx(sum(steps) / len(steps), abs=shown)
+
+
+def _picture(folder):
+    """timeline.png's pixels, (height, width, RGB) integers."""
+    return np.asarray(Image.open(folder / "timeline.png").convert("RGB")).astype(int)
+
+
+def _axes_box(picture):
+    """(top, bottom, left, right) pixel rows and columns of the plot's frame: the dark lines that run across most
+    of the picture's width (top and bottom) and down most of its height (left and right; the dashed step marks
+    lie between)."""
+    dark = picture.max(axis=-1) < 80
+    rows = np.flatnonzero(dark.sum(axis=1) > 0.6 * dark.shape[1])
+    cols = np.flatnonzero(dark.sum(axis=0) > 0.3 * dark.shape[0])
+    return rows.min(), rows.max(), cols.min(), cols.max()
+
+
+def _rgb(colour):
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def _coloured(pixels, colours):
+    """Where the pixels are exactly one of the colours (hex strings): a boolean array."""
+    return np.any([(pixels == _rgb(c)).all(axis=-1) for c in colours], axis=0)
+
+
+def _lanes_showing(picture, colours):
+    """The bands of pixel rows inside the plot's frame (not the legend) in which any of the colours shows, top to
+    bottom, as (first row, last row)."""
+    top, bottom, left, right = _axes_box(picture)
+    rows = np.flatnonzero(_coloured(picture[top + 2:bottom - 1, left + 2:right - 1], colours).any(axis=1)) + top + 2
+    return [(int(b[0]), int(b[-1])) for b in np.split(rows, np.flatnonzero(np.diff(rows) > 1) + 1) if len(b)]
+
+
+def _matches_columns(drawn, intervals, left, right, per_unit, marks):
+    """Assert that a picture row's pixel columns are drawn (`drawn`: a boolean per column) exactly where the
+    intervals (in the x axis's units from its 0, `per_unit` pixels each) lie, leaving out the columns within 2.5
+    pixels of an interval's edge or of the dashed lines drawn across the lanes at `marks`: there anti-aliasing,
+    a pipeline bar's white edge and Agg's snapping of narrow bars to whole pixels (seen to move the next bar's
+    edge by 1.6 pixels) blur the colour. Returns how many columns were checked and how many of them were drawn."""
+    checked = shown = 0
+    edges = [*marks, *(t for interval in intervals for t in interval)]
+    for col in range(left + 1, right):
+        t = (col + 0.5 - left) / per_unit
+        if min(abs(t - e) for e in edges) * per_unit < 2.5:
+            continue
+        inside = any(a <= t < b for a, b in intervals)
+        assert drawn[col] == inside, (col, t, inside)
+        checked, shown = checked + 1, shown + inside
+    return checked, shown
+
+
+def _check_lanes_drawn(folder, ranks, replicas):
+    """timeline.png is 12 x (1.4 + 0.75 per lane) inches at 100 dpi, one lane per process x replica, rank 0's
+    replica 0 on top; each lane's upper row shows forward exactly where `lane_bars` puts that replica's forward
+    and the process's (`draw`'s steps: three of rank 0's recorded steps, from its second when there are more)."""
+    picture = _picture(folder)
+    assert picture.shape[:2] == (round(100 * (1.4 + 0.75 * ranks * replicas)), 1200)
+    lanes = _lanes_showing(picture, [PICTURE_COLOURS["forward"]])
+    assert len(lanes) == ranks * replicas, lanes
+    steps = steps_of(load_spans(folder / "trace-rank0.json"))
+    first = min(1, max(len(steps) - 3, 0))
+    lo, hi = steps[first].start, steps[min(first + 3, len(steps)) - 1].end
+    _, _, left, right = _axes_box(picture)
+    for i, (top, bottom) in enumerate(lanes):
+        rank, k = divmod(i, replicas)
+        spans = load_spans(folder / f"trace-rank{rank}.json")
+        bars = lane_bars(spans, steps_of(spans)[0].tid, lo, hi)
+        forward = [(a, a + w) for lane in (k, None) for a, w in bars.get(lane, {}).get("forward", [])]
+        row = _coloured(picture[(top + bottom) // 2], [PICTURE_COLOURS["forward"]])
+        checked, shown = _matches_columns(row, forward, left, right, (right - left) / ((hi - lo) / 1000),
+                                          [(s.start - lo) / 1000 for s in steps[first:first + 3]])
+        assert checked > 0.8 * (right - left) and shown > 0, (i, checked, shown)
+
+
+SCHEDULE_SPAN = "dp/wait/pipeline schedule"
+STAGE_WORK = re.compile(r"dp/stage (\d+)/(?:forward|backward weight|backward) \d+")
+
+
+def _pipeline_from_traces(folder, ranks):
+    """Read from the trace files alone, as src/timeline/pipeline_picture.py's docstring defines them: each
+    step's window (the k-th schedule span of every rank: the first entry to the last exit, µs) and each stage's
+    work intervals (µs)."""
+    events = []
+    for rank in range(ranks):
+        trace = json.loads((folder / f"trace-rank{rank}.json").read_text())
+        events.append([(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace["traceEvents"]
+                       if e.get("ph") == "X"])
+    schedules = [sorted((a, b) for name, a, b in ev if name == SCHEDULE_SPAN) for ev in events]
+    windows = [(min(a for a, _ in group), max(b for _, b in group)) for group in zip(*schedules)]
+    work: dict[int, list] = {}
+    for ev in events:
+        for name, a, b in ev:
+            if match := STAGE_WORK.fullmatch(name):
+                work.setdefault(int(match[1]), []).append((a, b))
+    return windows, work
+
+
+def _check_pipeline_figures(folder, first_step, steps):
+    """breakdown.md's idle fraction of each stage and breakdown.csv's step times are what the trace files give."""
+    from src.timeline.pipeline_picture import idle_fractions
+
+    windows, work = _pipeline_from_traces(folder, 2)
+    assert len(windows) == steps and sorted(work) == [0, 1]
+    per_step = [{s: 1 - sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans) / (hi - lo)
+                 for s, spans in sorted(work.items())} for lo, hi in windows]
+    assert idle_fractions([load_spans(folder / f"trace-rank{r}.json") for r in range(2)]) == [
+        pytest.approx(step, rel=1e-12, abs=1e-12) for step in per_step]
+    idle = {s: statistics.median(step[s] for step in per_step) for s in (0, 1)}
+    text = (folder / "breakdown.md").read_text()
+    assert f"idle fraction of the schedule's window: stage 0 {idle[0]:.3f}, stage 1 {idle[1]:.3f}\n" in text, text
+    table = list(csv.DictReader((folder / "breakdown.csv").open()))
+    for rank, row in enumerate(table):
+        trace = json.loads((folder / f"trace-rank{rank}.json").read_text())
+        ms = [e["dur"] / 1000 for e in trace["traceEvents"] if e.get("ph") == "X"
+              and e["name"] in {f"dp/step {n}" for n in range(first_step, first_step + steps)}]
+        assert len(ms) == steps == int(row["steps"])
+        assert float(row["step_ms"]) == pytest.approx(statistics.median(ms), abs=0.0005 + 1e-9)
+    return windows, work
+
+
+def _check_pipeline_picture(folder, windows, work):
+    """timeline.png shows the 2nd and 3rd recorded steps' windows, one lane per stage, stage 0 on top: a work bar in a
+    pixel column of a stage's lane exactly where the trace has that stage working (`_matches_columns`)."""
+    from src.timeline.pipeline_picture import COLOURS
+
+    picture = _picture(folder)
+    assert picture.shape[:2] == (round(100 * (1.9 + 0.8 * 2)), 1200)  # 12 x (1.9 + 0.8 per stage) in at 100 dpi
+    lanes = _lanes_showing(picture, COLOURS.values())
+    assert len(lanes) == 2, lanes
+    _, _, left, right = _axes_box(picture)
+    lo, hi = windows[1][0], windows[2][1]
+    px_per_us = (right - left) / (hi - lo)
+    for stage, (first, last) in enumerate(lanes):
+        row = picture[first + (last - first) // 5]  # above the bars' micro-batch numbers, at their middle
+        intervals = [(a - lo, b - lo) for a, b in work[stage] if b > lo and a < hi]
+        checked, busy = _matches_columns(_coloured(row, COLOURS.values()), intervals, left, right, px_per_us,
+                                         [a - lo for a, _ in windows[1:3]])
+        assert checked > 0.8 * (right - left) and busy > 0, (stage, checked, busy)
 
 
 def _overlap(bars, lo, hi):
@@ -128,7 +270,7 @@ def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
     names = _names(tmp_path / "tl" / "trace-rank0.json")
     assert OURS_LABELS <= names, OURS_LABELS - names
     assert {f"dp/step {i}" for i in (2, 3, 4)} <= names and "dp/step 1" not in names and "dp/step 5" not in names
-    _check_breakdown(tmp_path / "tl", ranks=1)
+    _check_breakdown(tmp_path / "tl", ranks=1, lanes=2)
     _check_phases_drawn(tmp_path / "tl", ranks=1)
     assert not labels.recording()
 
@@ -146,7 +288,7 @@ def test_ddp_two_processes(tiny_data_dir, tmp_path):
         # and so does Lightning's per-step broadcast of SIGTERM, which docs/timeline.md explains
         assert any(s.name == "gloo:broadcast" and s.tid != loop_thread for s in spans)
     assert "`gloo:broadcast` on gloo's thread" in (ROOT / "docs" / "timeline.md").read_text()
-    _check_breakdown(tmp_path / "tl", ranks=2)
+    _check_breakdown(tmp_path / "tl", ranks=2, lanes=2)
     _check_phases_drawn(tmp_path / "tl", ranks=2)
 
 
@@ -327,7 +469,8 @@ def test_a_pipelined_runs_timeline_draws_the_schedule_that_ran(tiny_data_dir, tm
     """A real pipelined fit (2 stages, 4 micro-batches) recorded: each process's trace holds its own stage's work
     on every micro-batch in the order of the schedule (GPipe: all forwards, then all backwards; 1F1B: stage 0 runs
     p = 2 forwards before its first backward, the last stage alternates), the picture is drawn, and breakdown.md
-    gives each stage's idle fraction."""
+    gives each stage's idle fraction: the figures the trace files themselves give, and the picture shows each
+    stage's work where the traces have it."""
     from src.strategies import PipelineStrategy, ProcessStart
     from src.timeline.pipeline_picture import stage_work
     from tests.helpers.runs import START_METHOD
@@ -342,7 +485,5 @@ def test_a_pipelined_runs_timeline_draws_the_schedule_that_ran(tiny_data_dir, tm
         work = [w for s in spans if step.start <= s.start < step.end and (w := stage_work(s)) is not None]
         assert {w[0] for w in work} == {rank}
         assert " ".join(f"{w[1][0].upper()}{w[2]}" for w in work) == expected
-    text = (tmp_path / "tl" / "breakdown.md").read_text()
-    idle = [float(x) for x in re.findall(r"stage \d ([0-9.]+)", text.split("idle fraction")[1])]
-    assert len(idle) == 2 and all(0 < f < 1 for f in idle), text
-    assert (tmp_path / "tl" / "timeline.png").stat().st_size > 10_000
+    windows, work = _check_pipeline_figures(tmp_path / "tl", first_step=2, steps=3)
+    _check_pipeline_picture(tmp_path / "tl", windows, work)
