@@ -1,5 +1,5 @@
-"""The checks of `zero_stage` and what stage 2 leaves in replica 0's `.grad`: `FreedGradient`, a placeholder of no
-memory whose use names the user's hook and the fix. The partitions themselves, and the step over them, are
+"""The checks of `zero_stage` and what stage 2 leaves in replica 0's `.grad`: `FreedGradient`, a placeholder of one
+element's memory whose use names the user's hook and the fix. The partitions themselves, and the step over them, are
 `src.strategies.partitions.Partitions`.
 """
 
@@ -65,9 +65,9 @@ def memory_view(t: Tensor) -> Tensor:
 
 class FreedGradient(Tensor):
     """What replica 0's `.grad` of a parameter holds under stage 2 from its bucket's reduce-scatter until the next
-    zero_grad: no memory (a zero-stride view of one element), the parameter's shape, dtype and device, and an error
-    on any use of its values. So user code that reads or changes gradients (torch's clipping, scaling, logging a
-    norm) stops at once with a message naming the hook and the fix, instead of acting on nothing.
+    zero_grad: one element's memory (a zero-stride view of one zero), the parameter's shape, dtype and device, and an
+    error on any use of its values. So user code that reads or changes gradients (torch's clipping, scaling, logging
+    a norm) stops at once with a message naming the hook and the fix, instead of acting on nothing.
 
     Args:
         like: The parameter.
