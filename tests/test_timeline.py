@@ -338,8 +338,7 @@ def test_the_picture_draws_the_phase_the_labels_name():
     assert (ms["compute"], ms["communication"], ms["loop"]) == pytest.approx(((39 + 32 + 10) / 1000, 0.01, 0.008))
 
 
-@pytest.mark.slow  # starts processes of its own (2 x 2)
-@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+@pytest.mark.parametrize("layout", ["1x2", pytest.param("2x2", marks=pytest.mark.slow)])  # 2 x 2 starts processes
 def test_the_profile_overlay_changes_nothing_it_records(tiny_data_dir, tmp_path, layout, monkeypatch):
     """Ours with and without configs/profile.yaml (steps 20-24 recorded), 30 steps: one backward per step through
     the precision plugin in every process either way, and the same weights bit for bit. The CLI runs in this
