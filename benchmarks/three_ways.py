@@ -19,8 +19,9 @@ steps after the first `--warmup`:
   `VmRSS` at the step's start, proc(5)) with glibc told to map every block of 64 KiB or more on its own
   (`MALLOC_MMAP_THRESHOLD_`), so the resident set follows the tensors: activations, and the temporaries and
   received buffers of the step;
-- bytes sent per step: the growth of `bytes_sent` of this process's TCP sockets (tcp_info, read with `ss -tinp`)
-  over the measured steps, divided by their number: every collective and point-to-point message of gloo;
+- bytes sent per step: the growth of `bytes_sent` of this process's TCP sockets less their `bytes_retrans`
+  (tcp_info, read with `ss -tinp`) over the measured steps, divided by their number: every collective and
+  point-to-point message of gloo;
 - step time: the median of rank 0's steps, and its ratios to one device's and to one core's in the same run
   (medians over rounds).
 
@@ -63,14 +64,16 @@ def proc_status(field: str) -> int:
 
 
 def tcp_bytes_sent(pid: int) -> int:
-    """Bytes this process's TCP sockets have sent so far (`bytes_sent` of tcp_info, summed; `ss` from iproute2)."""
+    """Bytes this process's TCP sockets have sent so far, each once (`bytes_sent` of tcp_info less `bytes_retrans`,
+    the bytes sent again, which even the loopback device sees on a loaded machine; summed; `ss` from iproute2)."""
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
     total, mine = 0, False
     for line in out.splitlines():
         if not line[:1].isspace():  # a socket's line (its owners, if any, in users:); its tcp_info follows indented
             mine = f"pid={pid}," in line
         elif mine and (m := re.search(r"\bbytes_sent:(\d+)", line)):
-            total += int(m.group(1))
+            again = re.search(r"\bbytes_retrans:(\d+)", line)
+            total += int(m.group(1)) - (int(again.group(1)) if again else 0)
     return total
 
 

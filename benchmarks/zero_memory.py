@@ -8,34 +8,41 @@ Every setting trains in float32 with SGD (momentum 0.9), global batch `--batch`,
 stage 0, 1 and 2 each without and with `overlap`, after one fit that is not reported (a process's first fit also
 loads kernels). The measure is the kernel's count of each process's resident memory (proc(5): `VmRSS`, and the peak
 `VmHWM`, restarted with `/proc/self/clear_refs`), with glibc told to map every block of 64 KiB or more on its own
-(`MALLOC_MMAP_THRESHOLD_`), so that the resident set rises and falls with every tensor torch's CPU allocator hands
-out and frees, in every thread, the exchange's too (torch's profiler, `profile_memory=True`, sees the training
-thread only). Figures are over the resident set at the strategy's setup, plus the model's parameters and buffers
-made before it; per process and setting, at the last step:
+(mallopt(3), `large_blocks_mapped`), so that the resident set rises and falls with every tensor torch's CPU
+allocator hands out and frees, in every thread, the exchange's too (torch's profiler, `profile_memory=True`, sees
+the training thread only). Figures are over the resident set at the strategy's setup (glibc's free memory handed
+back first, malloc_trim(3)), plus the model's parameters and buffers made before it; per process and setting, at
+the last step:
 
-- held: in use at the end of the step (after the optimizer step, before the next forward);
+- held: in use at the end of the step (after the optimizer step, before the next forward), once glibc has handed
+  back the pages of the blocks freed (malloc_trim(3));
 - peak of the step: the most in use from the start of backward (`on_before_backward`) to the end of the step:
   gradients, the exchange's buffers, the update, the parameters' all-gather and the activations backward frees;
 - peak of a save: the most in use while `trainer.save_checkpoint` runs, on the fullest rank and (in brackets) the
   others;
 - counted: what the strategy counts itself (`model_state_bytes`): every local replica's parameters and optimizer
   state, the gradients still held (replica 0's whole gradient at stages 0 and 1) and the kept receive buffers.
+- sent (several processes): the bytes this process's TCP sockets sent in the last step, each once
+  (`benchmarks.three_ways.tcp_bytes_sent`), read after a barrier at both ends: every message of gloo.
 
 Beside them, ZeRO's per-device model state (`src.scaling.memory.model_state_bytes`, N = P x K devices). One process
 per device (P x 1) compares directly; K replicas in one process share its memory, which holds their sum.
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
 import os
-import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.data.synthetic import write_fashion_mnist
@@ -43,13 +50,30 @@ from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.scaling.memory import bytes_per_element, model_state_bytes
 from src.strategies import ProcessStart, SplitAllreduceStrategy
 from src.strategies.comm.allreduce import nbytes
+from benchmarks.three_ways import tcp_bytes_sent
 
-warnings.filterwarnings("ignore")
-logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 MIB = 2**20
 # glibc maps every block of this many bytes or more on its own and unmaps it when freed, so the resident set rises and
 # falls with each tensor (malloc(3), M_MMAP_THRESHOLD; set, it no longer adapts)
 MMAP_THRESHOLD = 65536
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt(3)'s parameter numbers (glibc's malloc.h)
+LIBC = ctypes.CDLL("libc.so.6")
+
+
+@contextmanager
+def large_blocks_mapped() -> Iterator[None]:
+    """While the block runs glibc maps every block of `MMAP_THRESHOLD` bytes or more on its own (mallopt(3)), in
+    this process and in the processes it forks, and returns the free top of its heap above 128 KiB (its default,
+    which its own adaptation may have raised in a process that ran before); afterwards the thresholds its adaptation
+    reaches at most (blocks of 32 MiB or more mapped, the heap trimmed above 64 MiB free), so that later work does
+    not pay a mapping and its page faults for every tensor."""
+    if LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or LIBC.mallopt(M_TRIM_THRESHOLD, 128 * 1024) != 1:
+        raise RuntimeError("glibc refused mallopt: the resident set would not follow the tensors")
+    try:
+        yield
+    finally:
+        LIBC.mallopt(M_MMAP_THRESHOLD, 32 * MIB)
+        LIBC.mallopt(M_TRIM_THRESHOLD, 64 * MIB)
 
 
 def rss_bytes(field: str) -> int:
@@ -83,17 +107,27 @@ class MemoryProbe(pl.Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         gc.collect()  # what an earlier fit left in reference cycles would be freed during this one
+        LIBC.malloc_trim(0)  # and what glibc keeps free would be handed out again (malloc_trim(3))
         # the model's parameters and buffers were made before: what setup's resident set holds besides them is the
         # interpreter, the libraries and the data, which no stage changes
         model = sum(nbytes(t) for t in [*pl_module.parameters(), *pl_module.buffers()])
         self.figures["base"] = rss_bytes("VmRSS") - model
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.world_size > 1 and trainer.global_step == self.save_at:  # the last step starts
+            self.figures["sent"] = -_sent_so_far()
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         reset_peak()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.figures["step_peak"] = rss_bytes("VmHWM")
+        # glibc keeps the pages of small blocks freed during the step (in a heap with holes, from work before, many
+        # MiB): handed back first, what is left resident is what the process holds
+        LIBC.malloc_trim(0)
         self.figures["held"] = rss_bytes("VmRSS")
+        if "sent" in self.figures and trainer.global_step == self.save_at + 1:
+            self.figures["sent"] += _sent_so_far()
         if trainer.global_step == self.save_at:
             reset_peak()
             trainer.save_checkpoint(self.report / f"step{self.save_at}.ckpt")
@@ -103,9 +137,18 @@ class MemoryProbe(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         base = self.figures.pop("base")
-        out = {key: value - base for key, value in self.figures.items() if key != "counted"}
-        out["counted"] = self.figures["counted"]
+        out = {key: value - base for key, value in self.figures.items() if key not in ("counted", "sent")}
+        out.update({key: self.figures[key] for key in ("counted", "sent") if key in self.figures})
         (self.report / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+def _sent_so_far() -> int:
+    """Bytes this process's TCP sockets have sent (`benchmarks.three_ways.tcp_bytes_sent`), read once every process
+    has received all that was sent before: after a barrier, which a process enters only once its collectives are
+    done. A send returns once its bytes are in the socket's buffer, so without it bytes sent before (a save's
+    gathering to rank 0) would be counted when they leave."""
+    torch.distributed.barrier()
+    return tcp_bytes_sent(os.getpid())
 
 
 def _counted(strategy: SplitAllreduceStrategy) -> int:
@@ -136,10 +179,17 @@ def measure(args: argparse.Namespace, root: str, stage: int, overlap: bool) -> d
     return {**fullest, "save_peak_others": max((r["save_peak"] for r in ranks[1:]), default=0)}
 
 
+def measure_stages(args: argparse.Namespace, root: str, settings: list[tuple[int, bool]]) -> list[dict]:
+    """One fit that is not reported (a process's first fit also loads kernels and starts threads), then one for each
+    (zero_stage, overlap) of `settings`: their rows of figures (bytes), in that order. Call it under
+    `large_blocks_mapped()`, so that the resident set follows the tensors."""
+    measure(args, root, 0, False)
+    return [{"stage": stage, "overlap": overlap, **measure(args, root, stage, overlap)} for stage, overlap in settings]
+
+
 def main() -> None:
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):  # glibc reads it at start: run again with it
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.zero_memory", *sys.argv[1:]],
-                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2, help="P, processes (forked, gloo)")
     parser.add_argument("--k", type=int, default=1, help="K, replicas per process")
@@ -162,20 +212,22 @@ def main() -> None:
           f"{args.batch}, {args.steps} steps; MiB per process (the fullest); forecast: ZeRO's per device, N = {n}; "
           f"saved: against stage {args.stages[0]}")
     print("| stage | overlap | held | peak of the step | peak of a save (other ranks) | counted | forecast "
-          "| held saved | step peak saved | forecast saved |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    measure(args, root, 0, False)  # the first fit of a process also loads kernels and starts threads: not reported
-    rows, base = [], {}
-    for stage in args.stages:
-        for overlap in {"both": (False, True), "off": (False,), "on": (True,)}[args.overlap]:
-            m = measure(args, root, stage, overlap)
-            b = base.setdefault(overlap, m)  # the first stage given is the baseline
-            rows.append({"stage": stage, "overlap": overlap, **m, "forecast": forecast[stage]})
-            print(f"| {stage} | {overlap} | {m['held'] / MIB:.1f} | {m['step_peak'] / MIB:.1f} | "
-                  f"{m['save_peak'] / MIB:.1f} ({m['save_peak_others'] / MIB:.1f}) | {m['counted'] / MIB:.1f} | "
-                  f"{forecast[stage] / MIB:.1f} | "
-                  f"{(b['held'] - m['held']) / MIB:.1f} | {(b['step_peak'] - m['step_peak']) / MIB:.1f} | "
-                  f"{(forecast[args.stages[0]] - forecast[stage]) / MIB:.1f} |", flush=True)
+          "| held saved | step peak saved | forecast saved | sent in the step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    with large_blocks_mapped():
+        rows = measure_stages(args, root, [(stage, overlap) for stage in args.stages
+                                           for overlap in {"both": (False, True), "off": (False,),
+                                                           "on": (True,)}[args.overlap]])
+    base = {}
+    for row in rows:
+        stage, overlap, m = row["stage"], row["overlap"], row
+        b = base.setdefault(overlap, m)  # the first stage given is the baseline
+        row["forecast"] = forecast[stage]
+        print(f"| {stage} | {overlap} | {m['held'] / MIB:.1f} | {m['step_peak'] / MIB:.1f} | "
+              f"{m['save_peak'] / MIB:.1f} ({m['save_peak_others'] / MIB:.1f}) | {m['counted'] / MIB:.1f} | "
+              f"{forecast[stage] / MIB:.1f} | "
+              f"{(b['held'] - m['held']) / MIB:.1f} | {(b['step_peak'] - m['step_peak']) / MIB:.1f} | "
+              f"{(forecast[args.stages[0]] - forecast[stage]) / MIB:.1f} | {m.get('sent', 0) / MIB:.2f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

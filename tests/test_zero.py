@@ -113,7 +113,8 @@ def test_each_replica_holds_a_kth_of_the_optimizer_state(tiny_data_dir, stage, o
     whole gradient on every replica, stage 2 only its reduced third by the time the update runs. Stage 2's peak
     within the step still holds what backward made before the exchange freed it: in one process backward runs
     the replicas one after another, and a bucket is freed only once all have made its gradients, so replica 0,
-    whose backward runs first, still holds its whole gradient when the first bucket is freed."""
+    whose backward runs first, still holds its whole gradient when the first bucket is freed. The bytes are the
+    strategy's count of the tensors each replica holds; tests/test_zero_memory.py measures them with the kernel's."""
     held = HeldBytes()
     strategy = SplitAllreduceStrategy(devices=[CPU] * 3, zero_stage=stage, overlap=overlap, bucket_cap_mb=0.05)
     model, _, _ = fit(tiny_data_dir, strategy, callbacks=[held], steps=3)

@@ -62,6 +62,8 @@ class HeldBytes(pl.Callback):
 
 
 def test_each_of_four_replicas_holds_a_quarter_of_the_state(tiny_data_dir, tmp_path):
+    """2 processes x 2 replicas: the strategy's count of the tensors each replica holds (tests/test_zero_memory.py
+    measures each process's memory with the kernel's count)."""
     model, _, _ = fit(tiny_data_dir, ours(zero_stage=2, devices=["cpu", "cpu"]), devices=2,
                       callbacks=[HeldBytes(tmp_path)], steps=3)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
