@@ -31,7 +31,6 @@ from tests.helpers.doc_commands import FENCE, ROOT, Command, ForkServer, expand_
 from tests.helpers.idx import write_fashion_mnist
 from tests.helpers.ports import free_port
 
-pytestmark = pytest.mark.slow  # starts processes of its own
 
 GPU = "needs an NVIDIA GPU with CUDA; tests/test_gpu.py (marked gpu) and scripts/gpu_check.sh run the GPU paths"
 # (pattern searched in the command, reason): a command that matches none is run
@@ -244,6 +243,7 @@ def _previous_full(command: Command) -> str | None:
     return before[-1].text if before else None
 
 
+@pytest.mark.slow  # starts processes of its own
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_documented_command(command: Command, runner, tmp_path):
     reason = _reason(command)

@@ -12,7 +12,6 @@ from src.strategies.comm.process_allreduce import process_allreduce, ring_allred
 from tests.helpers.ports import free_port
 from tests.helpers.runs import START_METHOD
 
-pytestmark = pytest.mark.slow  # starts processes of its own
 
 # fewer elements than processes, uneven chunks, even chunks, and chunks of several 1 MiB segments (4.8 MB of float64)
 LENGTHS = (1, 2, 10, 1001, 4096, 600_001)
@@ -41,7 +40,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-
+@pytest.mark.slow  # starts processes of its own
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_between_processes_equals_all_reduce_and_counts_its_bytes(world):
     ctx = mp.get_context(START_METHOD)

@@ -9,9 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from src.scaling.report import main as scaling_main
 from tests.helpers.cli_args import data_args
 
-pytestmark = pytest.mark.slow  # starts processes of its own
 
-
+@pytest.mark.slow  # starts processes of its own
 def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
     extra = [*data_args(tiny_data_dir), "--trainer.limit_val_batches", "2"]
     report = scaling_main(["--config", "configs/lenet.yaml", "--max_epochs", "2", "--out", str(tmp_path),
