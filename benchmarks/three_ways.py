@@ -193,10 +193,9 @@ def trial(args: argparse.Namespace, way: str, report: Path, timeline: bool = Fal
     return [json.loads(p.read_text()) for p in sorted(report.glob("rank*.json"))]
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """The ways of `args.ways`, alternated over `args.rounds`; then a recorded trial of each pipeline schedule among
-    them. Returns the rows."""
-    work = Path(tempfile.mkdtemp(prefix="three-ways-"))
+    them, each trial in a folder of its own under `work`. Returns the rows."""
     medians: dict[str, list[float]] = {way: [] for way in args.ways}
     last: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
@@ -263,11 +262,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def data_dir(n_train: int) -> str:
-    """A synthetic Fashion-MNIST of `n_train` training images in a new temporary folder."""
+def data_dir(n_train: int, root: Path) -> str:
+    """A synthetic Fashion-MNIST of `n_train` training images written under the folder `root`."""
     from src.data.synthetic import write_fashion_mnist
 
-    root = Path(tempfile.mkdtemp(prefix="fmnist-three-ways-"))
     write_fashion_mnist(root / "FashionMNIST" / "raw", n_train=n_train, n_test=100)
     return str(root)
 
@@ -304,10 +302,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.one:
         return one(args)
-    args.data = data_dir(args.batch * (args.steps + 1) + VAL_SIZE)  # one epoch of whole batches
     hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"# {hardware}, torch {torch.__version__}, lightning {pl.__version__}, {date.today()}", flush=True)
-    rows = measure(args)
+    with tempfile.TemporaryDirectory(prefix="three-ways-") as tmp:  # the data and every trial's files, removed after
+        args.data = data_dir(args.batch * (args.steps + 1) + VAL_SIZE, Path(tmp) / "data")  # one epoch of batches
+        rows = measure(args, Path(tmp))
     print(table(rows))
     if args.out:
         path = Path(args.out)

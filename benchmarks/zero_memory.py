@@ -163,7 +163,15 @@ def _counted(strategy: SplitAllreduceStrategy) -> int:
 def measure(args: argparse.Namespace, root: str, stage: int, overlap: bool) -> dict[str, int]:
     """One fit at `stage`: the figures of the fullest process, and the save's peak on the ranks other than 0 (bytes)."""
     pl.seed_everything(0, verbose=False)
-    report = Path(tempfile.mkdtemp(prefix="zero-memory-"))
+    with tempfile.TemporaryDirectory(prefix="zero-memory-") as report:  # the ranks' JSON, removed once read
+        ranks = _fit(args, root, stage, overlap, Path(report))
+    fullest = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    # a partitioned save builds the whole optimizer state on rank 0 only: the other ranks' peak, apart
+    return {**fullest, "save_peak_others": max((r["save_peak"] for r in ranks[1:]), default=0)}
+
+
+def _fit(args: argparse.Namespace, root: str, stage: int, overlap: bool, report: Path) -> list[dict[str, int]]:
+    """The fit of `measure`, its probe writing each rank's figures to `report`: those figures, by rank."""
     probe = MemoryProbe(report, save_at=args.steps - 1)
     strategy = SplitAllreduceStrategy(devices=["cpu"] * args.k, zero_stage=stage, overlap=overlap,
                                       bucket_cap_mb=args.bucket_cap_mb,
@@ -173,10 +181,7 @@ def measure(args: argparse.Namespace, root: str, stage: int, overlap: bool) -> d
                          limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[probe])
     trainer.fit(model, FashionMNISTDataModule(root, batch_size=args.batch, val_size=16, download=False))
-    ranks = [json.loads((report / f"rank{r}.json").read_text()) for r in range(args.processes)]
-    fullest = {key: max(r[key] for r in ranks) for key in ranks[0]}
-    # a partitioned save builds the whole optimizer state on rank 0 only: the other ranks' peak, apart
-    return {**fullest, "save_peak_others": max((r["save_peak"] for r in ranks[1:]), default=0)}
+    return [json.loads((report / f"rank{r}.json").read_text()) for r in range(args.processes)]
 
 
 def measure_stages(args: argparse.Namespace, root: str, settings: list[tuple[int, bool]]) -> list[dict]:
@@ -203,8 +208,6 @@ def main() -> None:
     parser.add_argument("--overlap", choices=["both", "off", "on"], default="both", help="overlap: false, true or both")
     parser.add_argument("--json", help="also write the rows (bytes) to this file")
     args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="fmnist-zero-memory-")
-    write_fashion_mnist(Path(root) / "FashionMNIST" / "raw", n_train=args.batch * args.steps + 16, n_test=16)
     psi = sum(p.numel() for p in (ResNet18Classifier if args.model == "resnet18" else LeNetClassifier)().parameters())
     sizes, n = bytes_per_element("sgd_momentum", "fp32"), args.processes * args.k
     forecast = {s: model_state_bytes(psi, n, s, sizes) for s in (0, 1, 2)}
@@ -214,10 +217,11 @@ def main() -> None:
     print("| stage | overlap | held | peak of the step | peak of a save (other ranks) | counted | forecast "
           "| held saved | step peak saved | forecast saved | sent in the step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    with large_blocks_mapped():
-        rows = measure_stages(args, root, [(stage, overlap) for stage in args.stages
-                                           for overlap in {"both": (False, True), "off": (False,),
-                                                           "on": (True,)}[args.overlap]])
+    settings = [(stage, overlap) for stage in args.stages
+                for overlap in {"both": (False, True), "off": (False,), "on": (True,)}[args.overlap]]
+    with tempfile.TemporaryDirectory(prefix="fmnist-zero-memory-") as root, large_blocks_mapped():
+        write_fashion_mnist(Path(root) / "FashionMNIST" / "raw", n_train=args.batch * args.steps + 16, n_test=16)
+        rows = measure_stages(args, root, settings)
     base = {}
     for row in rows:
         stage, overlap, m = row["stage"], row["overlap"], row
