@@ -1,4 +1,4 @@
-"""A normal run prints no warnings: fit on one device, fit with ours across 2 processes, predict.
+"""A normal run prints no warnings: fit on one device, fit with ours across 2 processes, predict, a resume.
 
 Each command runs as a user would run it (`python -m src.cli` in a subprocess, children included), and every
 line it prints is checked. The only third-party messages a run hides are those of `src.run.hidden_messages`.
@@ -93,7 +93,22 @@ def test_the_gpu_run_messages_are_hidden_and_only_they():
     assert not logger.filter(tip) and logger.filter(used)
 
 
-@pytest.mark.slow  # three CLI runs, one of them with 2 processes
+def test_the_resumes_dirpath_note_is_hidden_and_only_it():
+    """Lightning's note on every resume into a new run's folder, as ModelCheckpoint raises it, and a neighbour."""
+    note = ("The dirpath has changed from '/runs/version_0/checkpoints' to '/runs/version_1/checkpoints', therefore "
+            "`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` won't "
+            "be reloaded. Only `best_model_path` will be reloaded.")
+    shown = "Checkpoint directory /runs/version_1/checkpoints exists and is not empty."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        hidden_messages.apply()
+        for message in (note, shown):
+            warnings.warn_explicit(message, UserWarning, "model_checkpoint.py", 566,
+                                   module="lightning.pytorch.callbacks.model_checkpoint")
+    assert [str(w.message) for w in caught] == [shown]
+
+
+@pytest.mark.slow  # four CLI runs, one of them with 2 processes
 def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
     # 2 training batches and a logging interval within them (Lightning warns about a longer one)
     short = [*cli_args.data_args(tiny_data_dir),
@@ -107,6 +122,9 @@ def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
         ckpt = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt"
         predict = _lines(_start("predict", *LENET, *short, "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
                                 str(tmp_path / "logs")))
+        # a resume, one epoch more, into a run folder of its own
+        resumed = _lines(_start("fit", *LENET, *short, "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt),
+                                "--test_after_fit", "false"))
     except BaseException:
         processes.kill()
         processes.communicate()
@@ -116,5 +134,6 @@ def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
     assert any(line.startswith("epoch 0: ") for line in single) and any("test acc" in line for line in single)
     assert any(line.startswith("epoch 0: ") and "2 processes" in line for line in processes)
     assert any(line.startswith("predictions: ") for line in predict)
-    for lines in (single, processes, predict):
+    assert any(line.startswith("epoch 1: ") for line in resumed) and not any("epoch 0: " in x for x in resumed)
+    for lines in (single, processes, predict, resumed):
         assert not _noise(lines), "\n".join(lines)

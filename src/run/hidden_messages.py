@@ -62,6 +62,14 @@ TF32_TIP = "You are using a CUDA device"
 # (src/run/log_steps.py).
 LOGGING_INTERVAL = r"The number of training batches \(\d+\) is smaller than the logging interval"
 
+# Lightning's ModelCheckpoint warns on every resume that "The dirpath has changed from ..." and that the top-k
+# bookkeeping of the checkpoint's folder is not reloaded (lightning/pytorch/callbacks/model_checkpoint.py,
+# `load_state_dict`), once per process. A run here never writes into another run's folder: `--ckpt_path` starts a
+# run of its own, in a new version folder (src/run/logger.py; only a restarted job goes on in its own), so that the
+# run it continues keeps every file it wrote. The new run keeps its top-k among its own checkpoints and never
+# deletes the old run's; that is what the message reports, on every resume, as a change.
+CKPT_DIRPATH = r"The dirpath has changed from .* won't be reloaded"
+
 # The loggers that `rank_zero_info` writes through (Lightning points lightning_utilities' helper at the last
 # of these that was imported)
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
@@ -83,7 +91,8 @@ def apply() -> None:
     warnings.filterwarnings("ignore", message=PYTREE_DEPRECATION, category=FutureWarning, module=PYTREE_MODULE)
     warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATION, category=FutureWarning,
                             module=ALL_GATHER_MODULE)
-    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH, DDP_GRAD_STRIDES, LOGGING_INTERVAL):
+    for message in (GPU_UNUSED, SUMMARY_PRECISION, DDP_STREAM_MISMATCH, DDP_GRAD_STRIDES, LOGGING_INTERVAL,
+                    CKPT_DIRPATH):
         # matched by message alone: Lightning's rank_zero_warn and torch's C++ warnings are attributed to the
         # caller's frame, which differs between call sites
         warnings.filterwarnings("ignore", message=message)
