@@ -24,6 +24,23 @@ def _tp(**kwargs) -> TensorParallelStrategy:
     return TensorParallelStrategy(processes=ProcessStart("gloo", start_method=START_METHOD), **kwargs)
 
 
+def test_the_batch_is_not_checked_against_the_processes_that_share_one_model(tiny_data_dir):
+    """Tensor parallelism does not split the batch: its 3 processes all take the whole of it, so batch 64 passes
+    the launch checks (and the split layer's sizes are what is refused); DDP on 3 processes refuses it."""
+    import lightning.pytorch as pl
+
+    from src.data.fashion_mnist import FashionMNISTDataModule
+    from src.run.launch_checks import check_before_run
+
+    data = FashionMNISTDataModule(str(tiny_data_dir), batch_size=64, download=False)
+    check_before_run(pl.Trainer(accelerator="cpu", devices=3, strategy=_tp(), logger=False), data)
+    check_before_run(pl.Trainer(accelerator="cpu", devices=3, strategy=_tp(replicas=3), logger=False),
+                     FashionMNISTDataModule(str(tiny_data_dir), batch_size=63, download=False))  # 3 parts of 21
+    with pytest.raises(ValueError, match="data.batch_size=64 is the global batch and must divide evenly by the "
+                                         "world size 3"):
+        check_before_run(pl.Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False), data)
+
+
 def test_a_network_without_a_plan_and_shares_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="tensor parallelism has plans for LeNet, ResNet18 .* not for Sequential"):
         apply_plan(nn.Sequential(nn.Linear(2, 2)), mesh=None)

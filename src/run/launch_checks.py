@@ -80,5 +80,8 @@ def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) ->
         check_cluster(trainer.num_nodes, trainer.strategy.cluster_environment)
     check_sync_batchnorm(trainer.strategy, trainer.accelerator)
     if not layout.splits_any_batch:  # DDP: every rank takes an equal part; ours splits any batch
-        check_ddp_batch_after_restart(datamodule.batch_size, datamodule.eval_batch_size, layout.processes)
+        # into as many parts as there are copies of the model: the processes that hold one copy between them
+        # (pipeline stages, tensor-parallel shares) take the same part (`ParallelLayout.data_rank`)
+        check_ddp_batch_after_restart(datamodule.batch_size, datamodule.eval_batch_size,
+                                      layout.processes // layout.model_parallel)
     check_replicas(datamodule.batch_size, datamodule.eval_batch_size, layout)
