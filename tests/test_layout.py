@@ -52,9 +52,11 @@ def test_layout_of_every_strategy_this_tool_runs():
 
 
 def test_the_epoch_lines_state_words_name_the_zero_stage_and_fsdps_sharding():
+    """The epoch line's clause, and the HPARAMS `run/zero_stage` docs/compare-runs.md gives for each strategy:
+    ours' own stage, the stage FSDP's sharding matches (2, 3), 0 elsewhere."""
     from src.strategies.fsdp import CPUFSDPStrategy
 
-    words = {}
+    words, stages = {}, {}
     for name, strategy, devices in [
             ("single", "auto", 1), ("ddp", DDPStrategy(start_method="spawn"), 2),
             ("zero0", SplitAllreduceStrategy(devices=["cpu", "cpu"]), 1),
@@ -62,12 +64,16 @@ def test_the_epoch_lines_state_words_name_the_zero_stage_and_fsdps_sharding():
             ("zero2 2x2", SplitAllreduceStrategy(processes=SPAWN, replicas_per_process=2, zero_stage=2), 2),
             ("shard_grad_op", CPUFSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), 2),
             ("full_shard", CPUFSDPStrategy(sharding_strategy="FULL_SHARD"), 2)]:
-        words[name] = parallel_layout(_trainer(strategy, devices).strategy).state_words()
+        trainer = _trainer(strategy, devices)
+        words[name] = parallel_layout(trainer.strategy).state_words()
+        stages[name] = run_hparams(trainer, 64, 42)["run/zero_stage"]
     assert words == {"single": "", "ddp": "", "zero0": "",
                      "zero1": ", zero_stage 1 (optimizer state in 2 partitions)",
                      "zero2 2x2": ", zero_stage 2 (gradients and optimizer state in 4 partitions)",
                      "shard_grad_op": ", SHARD_GRAD_OP (gradients and optimizer state in 2 shards)",
                      "full_shard": ", FULL_SHARD (parameters, gradients and optimizer state in 2 shards)"}
+    assert stages == {"single": 0, "ddp": 0, "zero0": 0, "zero1": 1, "zero2 2x2": 2, "shard_grad_op": 2,
+                      "full_shard": 3}
 
 
 def test_a_strategy_this_tool_does_not_run_is_named_not_defaulted():

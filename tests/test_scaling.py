@@ -48,3 +48,17 @@ def test_the_ideal_line_is_flat_when_devices_share_the_cpu_cores(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.csv", "scaling.png"}
     # the predictor tells CPU from GPU reports by this column
     assert next(csv.DictReader(open(tmp_path / "scaling.csv")))["accelerator"] == "cpu"
+
+
+def test_the_report_title_says_the_length_the_runs_were_given():
+    """`--max_steps 20` runs 20 steps (or the epochs, if sooner), and the title says so, not "2 epochs"."""
+    from src.scaling.report import report_title
+
+    strategies = ["single", "split_allreduce", "ddp"]
+    assert report_title("lenet", strategies, "cpu", 2, -1) == \
+        "lenet: single, split_allreduce, ddp on cpu, 2 epochs each"
+    assert report_title("lenet", ["single"], "gpu", 1, 0) == "lenet: single on gpu, 1 epoch each"
+    assert report_title("lenet", strategies, "cpu", 2, 20) == \
+        "lenet: single, split_allreduce, ddp on cpu, 20 steps each (2 epochs at most)"
+    assert report_title("resnet18", ["ddp"], "gpu", 3, 1500) == \
+        "resnet18: ddp on gpu, 1,500 steps each (3 epochs at most)"

@@ -89,6 +89,18 @@ def _read_run(run_dir: Path) -> tuple[float, float, float, int]:
             values("val/acc")[-1], batch)
 
 
+def report_title(model: str, strategies: list[str], accelerator: str, max_epochs: int, max_steps: int) -> str:
+    """The report's title, with the length every run was given: "lenet: single, ddp on cpu, 2 epochs each", or
+    with `max_steps` > 0 "..., 20 steps each (2 epochs at most)": Lightning stops at whichever limit comes first."""
+    def plural(n: int, word: str) -> str:
+        return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+    length = plural(max_epochs, "epoch") + " each"
+    if max_steps > 0:
+        length = f"{plural(max_steps, 'step')} each ({plural(max_epochs, 'epoch')} at most)"
+    return f"{model}: {', '.join(strategies)} on {accelerator}, {length}"
+
+
 def ideal_speedup(devices: int, shared_cores: bool) -> int:
     """The best speedup `devices` devices could reach over one: `devices`, or 1 when they share the CPU cores."""
     return 1 if shared_cores else devices
@@ -176,7 +188,7 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
         devices: Device counts (K replicas or P processes): CPU "devices" on cpu, GPUs on gpu.
         accelerator: cpu (DDP over gloo) or gpu (DDP over NCCL, our replicas on cuda:0..K-1).
         max_epochs: Epochs per run (sec/epoch and images/s are medians over epochs after the first).
-        max_steps: If > 0, stop each run after this many optimizer steps instead.
+        max_steps: If > 0, stop each run after this many optimizer steps (or at `max_epochs`, if that comes first).
         out: Parent folder; the report goes to <out>/<model>/version_N/.
         extra: More CLI arguments for every run, e.g. ["--data.batch_size", "512"].
 
@@ -217,7 +229,7 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
         speedup = base[0] / sec if base else float("nan")
         ideal = ideal_speedup(n, accelerator == "cpu")
         rows.append(Row(strategy, n, batch, sec, ips, speedup, speedup / ideal, acc, accelerator, ideal))
-    title = f"{model}: {', '.join(strategies)} on {accelerator}, {max_epochs} epoch(s) each"
+    title = report_title(model, strategies, accelerator, max_epochs, max_steps)
     write_report(rows, report, title, shared_cores=accelerator == "cpu")
     print(f"report: {report}/scaling.md, scaling.csv, scaling.png; curves: tensorboard --logdir {report}")
     return report
