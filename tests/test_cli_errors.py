@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from src.cli import run
+from tests.helpers.checkpoint_damage import overwrite_inside_largest_tensor
 from tests.helpers.idx import write_fashion_mnist
 
 LENET = ["fit", "--config", "configs/lenet.yaml"]
@@ -315,27 +316,11 @@ def test_checkpoint_problems(fast_args, tmp_path, capsys, lenet_checkpoint):
            "no last.ckpt", "nothing to resume")
 
 
-def _overwrite_inside_largest_tensor(path: Path, count: int = 2000) -> str:
-    """Invert `count` bytes in the middle of the largest member's data (found from the zip's own offsets: the
-    local header is 30 bytes plus the name and the extra field); returns that member's name."""
-    with zipfile.ZipFile(path) as archive:
-        largest = max(archive.infolist(), key=lambda info: info.file_size)
-    assert largest.compress_type == zipfile.ZIP_STORED and largest.file_size > 2 * count
-    raw = bytearray(path.read_bytes())
-    header = raw[largest.header_offset:largest.header_offset + 30]
-    assert header[:4] == b"PK\x03\x04"
-    start = largest.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
-        int.from_bytes(header[28:30], "little") + largest.file_size // 2 - count // 2
-    raw[start:start + count] = bytes(b ^ 0xFF for b in raw[start:start + count])
-    path.write_bytes(raw)
-    return largest.filename
-
-
 def test_a_damaged_checkpoint_is_refused_before_anything_is_restored(fast_args, tmp_path, capsys, lenet_checkpoint):
     """Bytes changed inside a tensor leave the zip directory whole; the member's CRC-32 gives them away."""
     damaged = tmp_path / "damaged.ckpt"
     damaged.write_bytes(lenet_checkpoint.read_bytes())
-    member = _overwrite_inside_largest_tensor(damaged)
+    member = overwrite_inside_largest_tensor(damaged)
     assert re.fullmatch(r"archive/data/\d+", member)  # a tensor's bytes, not the pickle
     written = sorted((tmp_path / "logs").glob("**/*"))
     for subcommand in ("fit", "test", "predict"):

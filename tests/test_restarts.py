@@ -16,6 +16,7 @@ from src.cli import main, run
 from src.run.elastic import apply_launcher_layout, check_ddp_batch_after_restart, weights_after_restart
 from src.run.launcher import run_id
 from src.strategies.split_allreduce import SplitAllreduceStrategy
+from tests.helpers.checkpoint_damage import overwrite_inside_largest_tensor
 from tests.helpers.cli_args import fast_args
 from tests.helpers.runs import ddp, fit
 
@@ -31,18 +32,21 @@ def test_auto_starts_fresh_then_resumes_this_runs_newest_complete_checkpoint(tin
     assert first.trainer.ckpt_path is None and first.trainer.global_step == 3
     run_dir = logs / "lenet" / "single-1x1-cpu" / "job-7"
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-    # newer files that must not be picked: another job's checkpoint, and a truncated one of this run
+    # newer files that must not be picked: another job's checkpoint, and a truncated and a damaged one of this run
     other = logs / "lenet" / "single-1x1-cpu" / "job-8" / "checkpoints"
     other.mkdir(parents=True)
     (other / "last.ckpt").write_bytes((run_dir / "checkpoints" / "last.ckpt").read_bytes())
     (run_dir / "checkpoints" / "cut.ckpt").write_bytes((run_dir / "checkpoints" / "last.ckpt").read_bytes()[:1000])
+    damaged = run_dir / "checkpoints" / "damaged.ckpt"  # whole but for bytes changed inside a tensor
+    damaged.write_bytes((run_dir / "checkpoints" / "last.ckpt").read_bytes())
+    overwrite_inside_largest_tensor(damaged)
 
     second = _auto(tiny_data_dir, logs, "--trainer.max_epochs", "2")
     assert second.trainer.ckpt_path == str(run_dir / "checkpoints" / "last.ckpt")
     assert second.trainer.global_step == 6 and second.trainer.log_dir == str(run_dir)
     report = next(c for c in second.trainer.callbacks if isinstance(c, RestartReport))
     assert (report.restarts, report.resumed_at, report.steps_redone) == (1, 3, 0)
-    assert (run_dir / "checkpoints" / "cut.ckpt").is_file()  # passed over, never deleted
+    assert (run_dir / "checkpoints" / "cut.ckpt").is_file() and damaged.is_file()  # passed over, never deleted
 
 
 def test_auto_without_a_run_name_is_refused_in_one_line(tiny_data_dir, tmp_path, capsys, monkeypatch):

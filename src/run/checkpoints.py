@@ -96,8 +96,8 @@ def newest_complete_checkpoint(experiment_dir: Path, run_folder: str) -> Path | 
     experiment (`<experiment_dir>/<strategy>-<P>x<K>-<device>/<run_folder>/checkpoints/*.ckpt`, or
     `<experiment_dir>/<run_folder>/checkpoints/`), so a restart on another number of processes finds the
     checkpoints of the first start. Temporary files of an interrupted save (`.<name>.tmp-<pid>`) are not
-    `*.ckpt`; a file whose zip directory is unreadable (truncated, e.g. written by another tool without a rename)
-    is passed over with a line saying so, and kept.
+    `*.ckpt`; a file whose zip directory is unreadable (truncated, e.g. written by another tool without a rename),
+    or a member of which fails its CRC-32 (`damaged_member`), is passed over with a line saying so, and kept.
 
     Returns:
         The file, or None when the run has no complete checkpoint yet.
@@ -107,9 +107,15 @@ def newest_complete_checkpoint(experiment_dir: Path, run_folder: str) -> Path | 
     for path in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             with zipfile.ZipFile(path):
-                return path
+                pass
         except (zipfile.BadZipFile, OSError) as err:
             rank_zero_warn(f"--ckpt_path auto: passing over {path}, which is incomplete ({err})")
+            continue
+        # a restart goes on from an earlier checkpoint rather than stop at a damaged one
+        damage = damaged_member(path)
+        if damage is None:
+            return path
+        rank_zero_warn(f"--ckpt_path auto: passing over {path}, which is damaged ({damage})")
     return None
 
 
