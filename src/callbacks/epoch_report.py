@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from src.layout import parallel_layout
 from src.run.log_steps import interval_note
+from src.run.progress import batches_in_a_whole_epoch
 
 
 class EpochReport(pl.Callback):
@@ -20,8 +21,8 @@ class EpochReport(pl.Callback):
     rank 0: the strategy as the run folder names it (`single`, `ddp`, `split_allreduce`, `fsdp`), so that DDP and
     ours on the same layout print different lines, then the layout as `ParallelLayout.words` names it and what each
     replica keeps a part of (`ParallelLayout.state_words`: the ZeRO stage, FSDP's sharding); with the number of
-    batches run when an epoch was cut short by max_steps or limit_train_batches, or by a restart in it, which
-    `RestartReport` names at the end.
+    batches run out of a whole epoch's when an epoch was cut short by max_steps or limit_train_batches, or by a
+    restart in it, which `RestartReport` names at the end.
 
     Every process logs rank 0's seconds and the images of all processes, so the logged values are the same on
     every process. Also logs the medians over the epochs so far, `hp/epoch_s_median` and
@@ -94,7 +95,7 @@ class EpochReport(pl.Callback):
         acc = f"val acc {float(val_acc):.3f}, " if val_acc is not None else ""
         layout = parallel_layout(trainer.strategy)
         where = f"{layout.strategy}: {layout.words(torch.get_num_threads())}{layout.state_words()}"
-        total = trainer.num_training_batches
+        total = batches_in_a_whole_epoch(trainer)
         partial = f" ({self._batches} of {total:,} batches)" if isinstance(total, int) and self._batches < total else ""
         # callbacks with epoch_words (RestartReport: ", restart 1 at step 350, 10 steps redone") add theirs
         words = "".join(c.epoch_words(trainer.current_epoch) for c in trainer.callbacks if hasattr(c, "epoch_words"))

@@ -20,6 +20,7 @@ Every process that runs the CLI decides from its own stdout. DDP's and our strat
 
 import importlib
 import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,11 +30,36 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 
 class LineOutput(ProgressBar):
     """A progress "bar" that draws nothing: `print` writes a whole line to stdout (flushed, so a log file shows
-    each epoch as it ends); disabled on every rank but 0, as Lightning's bars are."""
+    each epoch as it ends); disabled on every rank but 0, as Lightning's bars are. So that a log is never silent
+    for long, it also prints a line when training starts (`training: 922 batches an epoch, ...`) and, within an
+    epoch, one every `every_s` seconds (`epoch 0: batch 300 of 922, 31 s`).
 
-    def __init__(self) -> None:
+    Args:
+        every_s: Seconds of an epoch between its lines.
+    """
+
+    def __init__(self, every_s: float = 30.0) -> None:
         super().__init__()
         self._enabled = True
+        self.every_s = every_s
+        self._epoch_start = self._last = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        run, whole = trainer.num_training_batches, batches_in_a_whole_epoch(trainer)
+        cut = f" (of {whole:,})" if isinstance(whole, int) and isinstance(run, int) and run < whole else ""
+        size = f"{run:,}" if isinstance(run, int) else "all"
+        self.print(f"training: {size} batches an epoch{cut}, from epoch {trainer.current_epoch}")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_start = self._last = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            total = trainer.num_training_batches
+            of = f" of {total:,}" if isinstance(total, int) else ""
+            self.print(f"epoch {trainer.current_epoch}: batch {batch_idx + 1:,}{of}, {now - self._epoch_start:.0f} s")
 
     @property
     def is_enabled(self) -> bool:
@@ -48,6 +74,15 @@ class LineOutput(ProgressBar):
     def print(self, *args: Any, sep: str = " ", **kwargs: Any) -> None:
         if self._enabled:
             print(*args, sep=sep, file=sys.stdout, flush=True)
+
+
+def batches_in_a_whole_epoch(trainer: pl.Trainer) -> int | float:
+    """The training batches of one whole epoch of the data, before `limit_train_batches` cuts it (Lightning's
+    `num_training_batches` is the cut count): the loader's length, or the cut count when it has none."""
+    try:
+        return len(trainer.train_dataloader)
+    except TypeError:  # no loader yet, or one without a length
+        return trainer.num_training_batches
 
 
 def stdout_is_terminal() -> bool:
