@@ -311,6 +311,73 @@ def test_two_pipelines_side_by_side_equal_one_device(tiny_data_dir):
     assert max_param_diff(one, both) <= 1e-9 and max_param_diff(one, seeded_model(model_kwargs=RECIPE)) > 0.1
 
 
+@pytest.mark.parametrize("batch, message", [
+    (4, "pipeline: 4 micro-batches do not divide the 2 samples each of the 2 pipelines takes of data.batch_size 4; "
+        "set --trainer.strategy.init_args.n_microbatches to 2, or --data.batch_size to 8"),
+    (12, "pipeline: 4 micro-batches do not divide the 6 samples each of the 2 pipelines takes of data.batch_size 12; "
+         "set --trainer.strategy.init_args.n_microbatches to 3 or 6, or --data.batch_size to 8 or 16"),
+])
+def test_pipelines_side_by_side_refuse_a_share_the_micro_batches_do_not_divide(batch, message, fast_args, tmp_path,
+                                                                               capsys):
+    """2 pipelines x 2 stages: each pipeline cuts its own half of the global batch, so 4 micro-batches need a batch
+    of a multiple of 8 (4 and 12 would run 2 and 3 under a label of 4). Refused in this process, once, before any
+    process, process group or run folder is made."""
+    import torch.distributed as dist
+
+    from tests.helpers.process_guard import recorded_process_starts
+
+    with recorded_process_starts() as starts:
+        err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
+                        *fast_args, "--trainer.devices", "4", "--trainer.strategy.init_args.pipelines", "2",
+                        "--data.batch_size", str(batch), "--trainer.strategy.init_args.processes.start_method",
+                        START_METHOD], capsys)
+    assert err.splitlines()[0] == f"error: {message}", err  # one line (the debug hint follows on its own)
+    assert starts == [] and not dist.is_initialized()
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("version_*"))
+
+
+# each process's training forward passes, one (global step, micro-batch index, samples) per stage per micro-batch
+_CHUNKS: list[tuple[int, int, int]] = []
+
+
+class SaveChunks(pl.Callback):
+    """Writes this process's `_CHUNKS` at the end of training (the processes are forked: each has its own)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.save(list(_CHUNKS), self.path / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow  # 4 processes
+def test_each_pipeline_runs_the_micro_batches_its_label_names(tiny_data_dir, tmp_path, monkeypatch):
+    """2 pipelines x 2 stages at batch 12 with 3 micro-batches: every stage of both pipelines runs 3 micro-batches of
+    6 / 3 = 2 samples in each of the 3 steps, as the epoch line and run folder say ("3 micro-batches", m3-x2)."""
+    from src.strategies.pipeline_net import LabelledStage
+
+    forward = LabelledStage.forward_one_chunk
+
+    def counted(stage, chunk, *args, **kwargs):
+        out = forward(stage, chunk, *args, **kwargs)
+        if torch.is_grad_enabled():
+            _CHUNKS.append((stage.trainer_step, chunk, len(out)))
+        return out
+
+    class Step(pl.Callback):  # which step the stages' forward passes belong to
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            LabelledStage.trainer_step = trainer.global_step
+
+    monkeypatch.setattr(LabelledStage, "forward_one_chunk", counted)
+    strategy = _pipeline(pipelines=2, n_microbatches=3)
+    fit(tiny_data_dir, strategy, devices=4, steps=3, batch_size=12, callbacks=[Step(), SaveChunks(tmp_path)])
+    layout = strategy.parallel_layout()
+    assert layout.model_split.endswith(", 3 micro-batches") and layout.split_tag == "gpipe-m3-x2", layout
+    for rank in range(4):
+        chunks = torch.load(tmp_path / f"rank{rank}.pt")
+        assert sorted(chunks) == [(step, i, 2) for step in range(3) for i in range(3)], (rank, chunks)
+
+
 @pytest.mark.slow  # ResNet-18 for 20 steps: one device, then 2 and 4 processes
 def test_resnet18_pipelines_equal_one_device_accumulating_the_same_micro_batches(tiny_data_dir):
     """With BatchNorm each micro-batch is normalised by its own statistics, so a pipeline is one device that

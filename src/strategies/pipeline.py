@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from src.layout import ParallelLayout
-from src.strategies.pipeline_net import SCHEDULES, SEVERAL_PER_PROCESS, PipelinedNet, Placement, stage_ranks
+from src.strategies.pipeline_net import (SCHEDULES, SEVERAL_PER_PROCESS, PipelinedNet, Placement, microbatches_for,
+                                         stage_ranks)
 from src.strategies.pipeline_stages import (balanced_starts, block_seconds, check_chain, cut_starts, named_blocks,
                                             stage_module, stage_names)
 from src.strategies.model_split import ModelSplitStrategy
@@ -40,8 +41,9 @@ class PipelineStrategy(ModelSplitStrategy):
             [features.3] for LeNet, [stages.2] for ResNet-18; `src.strategies.pipeline_stages.named_blocks`), one
             fewer than the stages; or "auto": the cut that makes the slowest stage fastest by each block's forward
             time, measured on rank 0 on the first batch's micro-batch.
-        n_microbatches: Micro-batches per global batch; must divide `data.batch_size` (an epoch's last, smaller
-            batch takes the largest number below it that divides it).
+        n_microbatches: Micro-batches each pipeline cuts its share of every global batch into (`data.batch_size` /
+            `pipelines`, which they must divide: `check_microbatches`); an epoch's last, smaller batch and the
+            evaluation batches take the largest number below it that divides their share.
         schedule: "gpipe" (every micro-batch's forward, then every backward), "1f1b" (one forward, one backward
             once the pipeline is full: fewer activations held), or with 2 stages on each process, 2P in all, stage s
             on process s mod P: "interleaved_1f1b" (Narayanan et al., SC 2021) or "interleaved_zero_bubble"
@@ -53,7 +55,8 @@ class PipelineStrategy(ModelSplitStrategy):
 
     Raises:
         ValueError: At construction, an unknown schedule, fewer than one micro-batch or pipeline; at setup or the first
-            batch, cuts that do not fit the network or the processes, micro-batches that do not divide the batch.
+            batch, cuts that do not fit the network or the processes, micro-batches that do not divide each pipeline's
+            share of the batch (`check_batch`, which the CLI calls before any process starts).
         RuntimeError: At setup, what the pipeline cannot run: manual optimization, gradient clipping, a model
             without `net` and `loss_fn`, torch.compile, fp16 with a gradient scaler.
     """
@@ -110,13 +113,21 @@ class PipelineStrategy(ModelSplitStrategy):
                               "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
                               model_parallel=self.copy_size, model_split=words, split_tag=tag)
 
+    def check_batch(self, batch: int | None) -> None:
+        """Refuse a global batch of `batch` samples (None: unknown, nothing to check) whose per-pipeline share does
+        not cut into `n_microbatches` (`check_microbatches`); the CLI calls it before any process starts."""
+        if batch is not None:
+            check_microbatches(batch, self.n_microbatches, self.copies, self.copy_size,
+                               self.schedule in SEVERAL_PER_PROCESS)
+
     # ---- setup ----------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Refuse what the pipeline cannot run, Lightning's setup, then the pipeline in the network's place (its
         stage is fixed at the first batch, `_plan`; a later stage in this process keeps it)."""
         module = trainer.lightning_module
-        check_pipelinable(trainer, module, self.precision_plugin, self.n_microbatches)
+        check_pipelinable(module, self.precision_plugin)
+        self.check_batch(getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule is not None else None)
         super().setup(trainer)
         self._net = module.net
         where = Placement(self.copy_rank, self.placement, self.group("pp"))
@@ -286,14 +297,13 @@ class PipelineStrategy(ModelSplitStrategy):
                                strict=False)
 
 
-def check_pipelinable(trainer: "pl.Trainer", module: Any, precision: Any, n_microbatches: int) -> None:
+def check_pipelinable(module: Any, precision: Any) -> None:
     """Refuse what the pipeline cannot run beside what every split model cannot (`ModelSplitStrategy.setup`), each
     in one message with what to do.
 
     Raises:
         RuntimeError: A model without a `loss_fn` (the schedule computes each micro-batch's loss), fp16 with a
             gradient scaler.
-        ValueError: `n_microbatches` that do not divide `data.batch_size`.
     """
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -303,11 +313,40 @@ def check_pipelinable(trainer: "pl.Trainer", module: Any, precision: Any, n_micr
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise RuntimeError("the pipeline strategy does not support fp16 with a gradient scaler (the schedule runs "
                            "backward itself); use --trainer.precision bf16-mixed, 32-true or 64-true")
-    batch = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule is not None else None
-    if batch is not None and batch % n_microbatches:
-        raise ValueError(f"pipeline: {n_microbatches} micro-batches do not divide data.batch_size {batch}; set "
-                         f"--trainer.strategy.init_args.n_microbatches to a divisor of it, or data.batch_size to a "
-                         f"multiple of {n_microbatches}")
+
+
+def _nearest(valid: list[int], x: int) -> str:
+    """The nearest values of `valid` below and above x, in words ("3 or 6"); "" if there are none."""
+    below, above = [v for v in valid if v < x][-1:], [v for v in valid if v > x][:1]
+    return " or ".join(str(v) for v in below + above)
+
+
+def check_microbatches(batch: int, n_microbatches: int, pipelines: int = 1, stages: int = 1,
+                       interleaved: bool = False) -> None:
+    """Each of the `pipelines` takes batch / pipelines samples of every global batch of `batch` and must cut them into
+    exactly `n_microbatches` equal micro-batches (under an interleaved schedule also whole rounds of the `stages`
+    processes of a pipeline, torch's rule: `microbatches_for`), so that what runs is what the epoch line, the run
+    folder and HPARAMS say.
+
+    Raises:
+        ValueError: One line naming the share and the nearest n_microbatches and data.batch_size that fit.
+    """
+    m = n_microbatches
+    share, rest = divmod(batch, pipelines)
+    if not rest and microbatches_for(share, m, stages, interleaved) == m:
+        return
+    of = f"data.batch_size {batch}" if pipelines == 1 else \
+        f"the {batch / pipelines:g} samples each of the {pipelines} pipelines takes of data.batch_size {batch}"
+    fixes = []
+    if not rest:
+        counts = [k for k in range(1, share + 1) if microbatches_for(share, k, stages, interleaved) == k]
+        fixes.append(f"--trainer.strategy.init_args.n_microbatches to {_nearest(counts, m)}")
+    batches = [b for b in range(pipelines, 2 * (batch + pipelines * m * stages) + 1, pipelines)
+               if microbatches_for(b // pipelines, m, stages, interleaved) == m]
+    if batches:
+        fixes.append(f"--data.batch_size to {_nearest(batches, batch)}")
+    raise ValueError(f"pipeline: {m} micro-batches{' in whole rounds' if interleaved else ''} do not divide {of}; "
+                     f"set {', or '.join(fixes)}")
 
 
 # `trainer.strategy: pipeline` works once this module is imported

@@ -94,7 +94,8 @@ class PipelinedNet(nn.Module):
             the batch dimension, e.g. (10,).
         placement: Where the stages run (`Placement`).
         schedule: A key of `SCHEDULES`.
-        n_microbatches: Micro-batches per batch (fewer for a batch they do not divide: `microbatches_for`).
+        n_microbatches: Micro-batches per batch this pipeline takes (fewer for a batch they do not divide, an epoch's
+            last or an evaluation batch: `microbatches_for`).
         loss_fn: The module's loss, (logits (b, C), targets (b,)) -> a mean over the b samples.
         accumulate: Lightning's `accumulate_grad_batches`.
     """
