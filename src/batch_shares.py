@@ -96,17 +96,20 @@ def check_split_weights(weights: Sequence[float] | str | None, num_replicas: int
                          "give one weight per replica")
 
 
-def check_global_batch(key: str, global_batch: int, world_size: int) -> None:
+def check_global_batch(key: str, global_batch: int, world_size: int, parts: str | None = None) -> None:
     """A global batch must divide evenly over DDP's processes (each takes global_batch / world_size).
+
+    Args:
+        parts: What the batch is cut between, when not the processes (e.g. the copies of a split model).
 
     Raises:
         ValueError: Naming the option, the world size and the nearest valid batch sizes.
     """
     if global_batch % world_size:
         lower = max(world_size, global_batch - global_batch % world_size)
-        raise ValueError(
-            f"{key}={global_batch} is the global batch and must divide evenly by the world size {world_size} "
-            f"(number of processes: trainer.devices x trainer.num_nodes); use {lower} or {lower + world_size}")
+        parts = parts or f"the world size {world_size} (number of processes: trainer.devices x trainer.num_nodes)"
+        raise ValueError(f"{key}={global_batch} is the global batch and must divide evenly by {parts}; use {lower} "
+                         f"or {lower + world_size}")
 
 
 def check_enough_samples(what: str, n: int, num_replicas: int) -> None:

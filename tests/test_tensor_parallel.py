@@ -36,6 +36,11 @@ def test_the_batch_is_not_checked_against_the_processes_that_share_one_model(tin
     check_before_run(pl.Trainer(accelerator="cpu", devices=3, strategy=_tp(), logger=False), data)
     check_before_run(pl.Trainer(accelerator="cpu", devices=3, strategy=_tp(replicas=3), logger=False),
                      FashionMNISTDataModule(str(tiny_data_dir), batch_size=63, download=False))  # 3 parts of 21
+    with pytest.raises(ValueError, match=r"data.batch_size=63 is the global batch and must divide evenly by the 2 "
+                                         r"copies of the split model \(each held by 2 of the 4 processes\); use 62 or "
+                                         "64"):
+        check_before_run(pl.Trainer(accelerator="cpu", devices=4, strategy=_tp(replicas=2), logger=False),
+                         FashionMNISTDataModule(str(tiny_data_dir), batch_size=63, download=False))
     with pytest.raises(ValueError, match="data.batch_size=64 is the global batch and must divide evenly by the "
                                          "world size 3"):
         check_before_run(pl.Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False), data)

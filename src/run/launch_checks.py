@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.run.lightning_compat import sync_batchnorm_requested
 from src.run.elastic import check_ddp_batch_after_restart
-from src.batch_shares import check_enough_samples, check_split_weights
+from src.batch_shares import check_enough_samples, check_global_batch, check_split_weights
 from src.layout import ParallelLayout, parallel_layout
 from src.strategies.pipeline import PipelineStrategy
 
@@ -80,11 +80,14 @@ def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) ->
     if isinstance(trainer.strategy, ParallelStrategy):
         check_cluster(trainer.num_nodes, trainer.strategy.cluster_environment)
     check_sync_batchnorm(trainer.strategy, trainer.accelerator)
-    if not layout.splits_any_batch:  # DDP: every rank takes an equal part; ours splits any batch
-        # into as many parts as there are copies of the model: the processes that hold one copy between them
-        # (pipeline stages, tensor-parallel shares) take the same part (`ParallelLayout.data_rank`)
-        check_ddp_batch_after_restart(datamodule.batch_size, datamodule.eval_batch_size,
-                                      layout.processes // layout.model_parallel)
+    copies = layout.processes // layout.model_parallel
+    if layout.model_parallel > 1:  # the processes that hold one copy between them take the same part of a batch
+        for key, batch in (("data.batch_size", datamodule.batch_size),
+                           ("data.eval_batch_size", datamodule.eval_batch_size)):
+            check_global_batch(key, batch, copies, f"the {copies} copies of the split model (each held by "
+                                                   f"{layout.model_parallel} of the {layout.processes} processes)")
+    elif not layout.splits_any_batch:  # DDP: every rank takes an equal part; ours splits any batch
+        check_ddp_batch_after_restart(datamodule.batch_size, datamodule.eval_batch_size, layout.processes)
     check_replicas(datamodule.batch_size, datamodule.eval_batch_size, layout)
     if isinstance(trainer.strategy, PipelineStrategy):  # here, once, not in every process it would start
         trainer.strategy.check_batch(datamodule.batch_size)
