@@ -43,6 +43,16 @@ def _noise(lines: list[str]) -> list[str]:
     return [line for line in lines if NOISE.search(line)]
 
 
+def shown_after_the_filters(messages: list[str], module: str) -> list[str]:
+    """The `messages` still shown once the run's filters are installed, each raised as a UserWarning of `module`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        hidden_messages.apply()
+        for message in messages:
+            warnings.warn_explicit(message, UserWarning, module.rpartition(".")[2] + ".py", 1, module=module)
+    return [str(w.message) for w in caught]
+
+
 def test_the_filters_hide_only_their_own_message():
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
@@ -99,13 +109,7 @@ def test_the_resumes_dirpath_note_is_hidden_and_only_it():
             "`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` won't "
             "be reloaded. Only `best_model_path` will be reloaded.")
     shown = "Checkpoint directory /runs/version_1/checkpoints exists and is not empty."
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.resetwarnings()
-        hidden_messages.apply()
-        for message in (note, shown):
-            warnings.warn_explicit(message, UserWarning, "model_checkpoint.py", 566,
-                                   module="lightning.pytorch.callbacks.model_checkpoint")
-    assert [str(w.message) for w in caught] == [shown]
+    assert shown_after_the_filters([note, shown], "lightning.pytorch.callbacks.model_checkpoint") == [shown]
 
 
 @pytest.mark.slow  # four CLI runs, one of them with 2 processes

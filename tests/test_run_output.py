@@ -3,15 +3,14 @@ says which scalars it does not write (checked in its TensorBoard event files).""
 
 import logging
 import re
-import warnings
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.cli import main, run
-from src.run import hidden_messages
 from tests.helpers.cli_args import process_option
+from tests.test_hidden_messages import shown_after_the_filters
 
 LENET = ["--config", "configs/lenet.yaml"]
 OURS = ["--config", "configs/strategy/split_allreduce.yaml"]  # 2 replicas in this process
@@ -125,12 +124,7 @@ def test_lightnings_logging_interval_warning_is_replaced():
     hidden = ("The number of training batches (3) is smaller than the logging interval Trainer(log_every_n_steps=50)."
               " Set a lower value for log_every_n_steps if you want to see logs for the training epoch.")
     shown = "The number of training batches (3) is smaller than something else"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.resetwarnings()
-        hidden_messages.apply()
-        for message in (hidden, shown):
-            warnings.warn_explicit(message, UserWarning, "fit_loop.py", 321, module="lightning.pytorch.loops.fit_loop")
-    assert [str(w.message) for w in caught] == [shown]
+    assert shown_after_the_filters([hidden, shown], "lightning.pytorch.loops.fit_loop") == [shown]
 
 
 def test_the_readme_shows_the_epoch_line_in_the_shape_a_run_prints():
