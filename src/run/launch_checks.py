@@ -13,7 +13,6 @@ from src.run.lightning_compat import sync_batchnorm_requested
 from src.run.elastic import check_ddp_batch_after_restart
 from src.batch_shares import check_enough_samples, check_global_batch, check_split_weights
 from src.layout import ParallelLayout, parallel_layout
-from src.strategies.pipeline import PipelineStrategy
 
 
 def check_cluster(num_nodes: int, cluster_environment: object, environ: Mapping[str, str] = os.environ) -> None:
@@ -89,5 +88,6 @@ def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) ->
     elif not layout.splits_any_batch:  # DDP: every rank takes an equal part; ours splits any batch
         check_ddp_batch_after_restart(datamodule.batch_size, datamodule.eval_batch_size, layout.processes)
     check_replicas(datamodule.batch_size, datamodule.eval_batch_size, layout)
-    if isinstance(trainer.strategy, PipelineStrategy):  # here, once, not in every process it would start
-        trainer.strategy.check_batch(datamodule.batch_size)
+    check_batch = getattr(trainer.strategy, "check_batch", None)  # the pipeline's micro-batches
+    if check_batch is not None:  # here, once, not in every process it would start
+        check_batch(datamodule.batch_size)
