@@ -1,4 +1,5 @@
-"""A normal run prints no warnings: fit on one device, fit with ours across 2 processes, predict, a resume.
+"""A normal run prints no warnings: fit on one device, fit with ours across 2 processes and at ZeRO stages 1 and 2,
+predict, a resume.
 
 Each command runs as a user would run it (`python -m src.cli` in a subprocess, children included), and every
 line it prints is checked. The only third-party messages a run hides are those of `src.run.hidden_messages`.
@@ -112,16 +113,20 @@ def test_the_resumes_dirpath_note_is_hidden_and_only_it():
     assert shown_after_the_filters([note, shown], "lightning.pytorch.callbacks.model_checkpoint") == [shown]
 
 
-@pytest.mark.slow  # four CLI runs, one of them with 2 processes
+@pytest.mark.slow  # five CLI runs, one of them with 2 processes
 def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
     # 2 training batches and a logging interval within them (Lightning warns about a longer one)
     short = [*cli_args.data_args(tiny_data_dir),
              *cli_args.trainer_args(tmp_path / "logs", train_batches=2, eval_batches=1),
              "--trainer.log_every_n_steps", "1"]
     # the 2-process fit runs beside the other two, which run one after the other
+    # ZeRO stage 1 across the processes, stage 2 within one: the user's lr scheduler steps after its optimizer,
+    # which the partitions step for it
     processes = _start("fit", *LENET, "--config", "configs/strategy/split_allreduce_processes.yaml", *short,
-                       "--test_after_fit", "false")
+                       "--trainer.strategy.init_args.zero_stage", "1", "--test_after_fit", "false")
     try:
+        stage2 = _lines(_start("fit", *LENET, "--config", "configs/strategy/split_allreduce_zero2.yaml", *short,
+                               "--test_after_fit", "false"))
         single = _lines(_start("fit", *LENET, *short))  # with the test of the best checkpoint
         ckpt = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0" / "checkpoints" / "last.ckpt"
         predict = _lines(_start("predict", *LENET, *short, "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
@@ -136,8 +141,9 @@ def test_fit_and_predict_print_no_warnings(tiny_data_dir, tmp_path):
     processes = _lines(processes)
 
     assert any(line.startswith("epoch 0: ") for line in single) and any("test acc" in line for line in single)
-    assert any(line.startswith("epoch 0: ") and "2 processes" in line for line in processes)
+    assert any(line.startswith("epoch 0: ") and "2 processes" in line and "zero_stage 1" in line for line in processes)
+    assert any(line.startswith("epoch 0: ") and "zero_stage 2" in line for line in stage2)
     assert any(line.startswith("predictions: ") for line in predict)
     assert any(line.startswith("epoch 1: ") for line in resumed) and not any("epoch 0: " in x for x in resumed)
-    for lines in (single, processes, predict, resumed):
+    for lines in (single, processes, stage2, predict, resumed):
         assert not _noise(lines), "\n".join(lines)

@@ -77,7 +77,12 @@ class PartitionedOptimizer(Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Lightning's closure, then each partition's update and the all-gather (`Partitions.step`)."""
-        return self.partitions.step(closure)
+        out = self.partitions.step(closure)
+        # The user's optimizer took its step, in partitions. Its lr scheduler watches that optimizer's own `step`
+        # (torch.optim.lr_scheduler's patch_track_step_called sets this flag from it), so tell it, as that wrapper
+        # would: else the scheduler's first step warns that it ran before the optimizer's
+        self.source._opt_called = True  # type: ignore[attr-defined]
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every replica's gradients and the partitions' reduced chunks (always to None)."""
