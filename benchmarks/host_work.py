@@ -1,0 +1,218 @@
+"""Host work of a training step on the CPU: the application and ours against the loops they stand on.
+
+    python -m benchmarks.host_work                          # batches 2 and 8, 5 alternated rounds
+    python -m benchmarks.host_work --batches 2 --rounds 3 --timed 50
+
+At a tiny batch LeNet's arithmetic is small, so a step's time is mostly what the host does around it: Lightning's
+loop, the application's metrics, callbacks and checks, ours' split, copies and exchange. Host work does not depend
+on the device, so what shows here shows on a GPU too. Five rows, each ms per optimizer step over the steps
+[warmup, warmup + timed), one intra-op thread, LeNet with the shipped recipe (configs/lenet.yaml), batches made once:
+
+- bare: forward, loss, backward and SGD step in a Python loop, one replica;
+- plain Lightning: the same network, loss and optimizer in a bare LightningModule (`benchmarks.plain_lightning`);
+- the app: `python -m src.cli fit --config configs/lenet.yaml` in this process, on synthetic IDX files;
+- the seed loop: the d2l.ai "Training on Multiple GPUs" `train_batch` written plainly on 2 replicas: split the batch,
+  forward each replica on its shard, one backward of the shards' weighted losses, add replica 1's gradients into
+  replica 0's, step replica 0, copy its parameters to replica 1;
+- ours 1 x 2: the app with `configs/strategy/split_allreduce.yaml`.
+
+Every round runs every row once per batch, in an order that rotates from round to round, and the table gives each
+row's median over the rounds, with two ratios: the app / plain Lightning, and what a second replica adds under
+ours ((ours 1 x 2 - the app) / (the seed loop - bare)). Machines here are shared: compare the ratios of one run.
+"""
+
+import argparse
+import contextlib
+import copy
+import importlib
+import io
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import yaml
+from torch import nn
+
+from benchmarks.plain_lightning import plain_step, recipe_sgd, resident_batches
+from src.models import LeNet, init_weights
+
+ROWS = ("bare", "plain Lightning", "the app", "seed loop, 2 replicas", "ours 1 x 2")
+
+
+class Window(pl.Callback):
+    """Seconds of the training steps [WARMUP, WARMUP + TIMED) of a CLI fit; stops the fit at the window's end.
+
+    The CLI builds it by class path, so its settings are class attributes (set by `app_step`)."""
+
+    WARMUP, TIMED = 30, 100
+    seconds = float("nan")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == type(self).WARMUP:
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == type(self).WARMUP + type(self).TIMED:  # counts this batch's step already
+            type(self).seconds = time.perf_counter() - self._t0
+            trainer.should_stop = True
+
+
+def _recipe() -> dict:
+    return yaml.safe_load(open("configs/lenet.yaml"))["model"]["init_args"]
+
+
+def _lenet(recipe: dict) -> nn.Module:
+    torch.manual_seed(0)
+    net = LeNet()
+    init_weights(net, recipe["init"])
+    return net.to(memory_format=torch.channels_last)
+
+
+def _timed_loop(step: Callable[[int], None], warmup: int, timed: int) -> float:
+    """ms per call of `step(i)` over calls [warmup, warmup + timed)."""
+    for i in range(warmup):
+        step(i)
+    t0 = time.perf_counter()
+    for i in range(warmup, warmup + timed):
+        step(i)
+    return (time.perf_counter() - t0) / timed * 1e3
+
+
+def bare_step(batch: int, warmup: int, timed: int) -> float:
+    """ms per step of the bare loop: one replica's forward, loss, backward and SGD step on resident batches."""
+    recipe = _recipe()
+    net = _lenet(recipe)
+    opt = recipe_sgd(net, recipe, lr=0.01)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe["label_smoothing"])
+    xs, ys = resident_batches(batch, "cpu")
+
+    def step(i: int) -> None:
+        loss = loss_fn(net(xs[i % 8]), ys[i % 8])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return _timed_loop(step, warmup, timed)
+
+
+def seed_loop_step(batch: int, warmup: int, timed: int) -> float:
+    """ms per step of the d2l.ai 2-replica `train_batch` written plainly (see the module's docstring): the shards'
+    losses, each a mean over its shard, weighted by shard size so that their sum is the global batch's mean."""
+    recipe = _recipe()
+    replicas = [_lenet(recipe)]
+    replicas.append(copy.deepcopy(replicas[0]))
+    opt = recipe_sgd(replicas[0], recipe, lr=0.01)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe["label_smoothing"])
+    xs, ys = resident_batches(batch, "cpu")
+    params = [list(r.parameters()) for r in replicas]
+
+    def step(i: int) -> None:
+        x, y = xs[i % 8], ys[i % 8]
+        shards = list(zip(x.chunk(2), y.chunk(2)))
+        loss = sum(loss_fn(net(xk), yk) * (len(yk) / len(y)) for net, (xk, yk) in zip(replicas, shards))
+        opt.zero_grad(set_to_none=True)
+        for p in params[1]:
+            p.grad = None
+        loss.backward()
+        with torch.no_grad():
+            torch._foreach_add_([p.grad for p in params[0]], [p.grad for p in params[1]])
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params[1], params[0])
+
+    return _timed_loop(step, warmup, timed)
+
+
+def app_step(batch: int, warmup: int, timed: int, root: str, overlay: list[str]) -> float:
+    """ms per step of a real CLI fit of configs/lenet.yaml (plus `overlay`) at global batch `batch`, one thread,
+    no validation, its output silenced."""
+    from src.cli import main as cli_main
+
+    # the class as the CLI imports it by its path: under `python -m` this file is also `__main__`, whose Window is
+    # another class object
+    window = importlib.import_module("benchmarks.host_work").Window
+    window.WARMUP, window.TIMED, window.seconds = warmup, timed, float("nan")
+    with tempfile.TemporaryDirectory(prefix="host-work-logs-") as logs, \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        cli_main(["fit", "--config", "configs/lenet.yaml", *overlay, "--threads", "1",
+                  "--data.data_dir", root, "--data.download", "false", "--data.batch_size", str(batch),
+                  "--trainer.max_steps", str(warmup + timed + 1), "--trainer.limit_val_batches", "0",
+                  "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+                  "--trainer.logger.init_args.save_dir", logs, "--trainer.callbacks+=benchmarks.host_work.Window"])
+    return window.seconds / timed * 1e3
+
+
+def measure(batches: list[int], rounds: int, warmup: int, timed: int, root: str) -> dict[int, dict[str, list[float]]]:
+    """ms per step of every row at every batch, `rounds` times, the rows' order rotated each round."""
+    recipe = _recipe()
+    rows: dict[str, Callable[[int], float]] = {
+        "bare": lambda b: bare_step(b, warmup, timed),
+        "plain Lightning": lambda b: _plain(recipe, b, warmup, timed),
+        "the app": lambda b: app_step(b, warmup, timed, root, []),
+        "seed loop, 2 replicas": lambda b: seed_loop_step(b, warmup, timed),
+        "ours 1 x 2": lambda b: app_step(b, warmup, timed, root,
+                                         ["--config", "configs/strategy/split_allreduce.yaml"]),
+    }
+    times: dict[int, dict[str, list[float]]] = {b: {name: [] for name in ROWS} for b in batches}
+    for r in range(rounds):
+        order = ROWS[r % len(ROWS):] + ROWS[:r % len(ROWS)]
+        for b in batches:
+            for name in order:
+                torch.set_num_threads(1)  # the app sets its own (--threads 1); the loops take it from here
+                times[b][name].append(rows[name](b))
+    return times
+
+
+def _plain(recipe: dict, batch: int, warmup: int, timed: int) -> float:
+    import benchmarks.plain_lightning as plain
+
+    plain.WARMUP, plain.TIMED = warmup, timed
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return plain_step(_lenet(recipe), recipe, batch, "32-true", device="cpu")
+
+
+def table(times: dict[int, dict[str, list[float]]]) -> list[str]:
+    """The markdown table: each row's median ms per step at each batch, then the two ratios."""
+    batches = list(times)
+    med = {b: {name: statistics.median(v) for name, v in times[b].items()} for b in batches}
+    lines = ["| ms/step | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    lines += [f"| {name} | " + " | ".join(f"{med[b][name]:.2f}" for b in batches) + " |" for name in ROWS]
+    lines.append("| **the app / plain Lightning** | " + " | ".join(
+        f"**{med[b]['the app'] / med[b]['plain Lightning']:.2f}**" for b in batches) + " |")
+    added = {b: (med[b]["ours 1 x 2"] - med[b]["the app"], med[b]["seed loop, 2 replicas"] - med[b]["bare"])
+             for b in batches}
+    lines.append("| **a second replica: ours / the seed loop** | " + " | ".join(
+        f"**{ours / seed:.2f}** ({ours:.2f} / {seed:.2f} ms)" for ours, seed in (added[b] for b in batches)) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    """Measure and print the table (see the module's docstring); returns its lines."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="2,8", help="global batches, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=30, help="steps before the timed window")
+    parser.add_argument("--timed", type=int, default=100, help="steps in the timed window")
+    args = parser.parse_args(argv)
+    from src.data.synthetic import write_fashion_mnist
+
+    batches = [int(b) for b in args.batches.split(",")]
+    with tempfile.TemporaryDirectory(prefix="host-work-data-") as root:
+        # enough images that no window crosses an epoch's end (and its validation and checkpoint)
+        write_fashion_mnist(Path(root) / "FashionMNIST" / "raw",
+                            n_train=max(batches) * (args.warmup + args.timed + 2) + 1000, n_test=200)
+        times = measure(batches, args.rounds, args.warmup, args.timed, root)
+    lines = table(times)
+    print(f"LeNet, 1 thread, steps [{args.warmup}, {args.warmup + args.timed}), medians of {args.rounds} rounds, "
+          f"torch {torch.__version__}")
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""benchmarks/host_work.py measures every row of its table, through the real CLI for the app and ours, at a few
+steps (the figures themselves are the benchmark's, on a quiet machine: benchmarks/README.md)."""
+
+import math
+import re
+
+from benchmarks import host_work
+
+
+def test_every_row_is_measured_and_the_ratios_come_from_them(monkeypatch):
+    seen = []
+    real_app_step = host_work.app_step
+
+    def app_step(batch, warmup, timed, root, overlay):
+        ms = real_app_step(batch, warmup, timed, root, overlay)
+        seen.append((tuple(overlay), ms))
+        return ms
+
+    monkeypatch.setattr(host_work, "app_step", app_step)
+    lines = host_work.main(["--batches", "2", "--rounds", "1", "--warmup", "2", "--timed", "3"])
+    cells = {line.split("|")[1].strip(" *"): line.split("|")[2] for line in lines[2:]}
+    figures = {name: float(re.search(r"[-\d.]+", cell).group()) for name, cell in cells.items()}
+    assert set(host_work.ROWS) <= set(figures)
+    assert all(math.isfinite(v) and v > 0 for name, v in figures.items() if name in host_work.ROWS), lines
+    # the CLI's window timed the app and ours (a window that never closed reads nan)
+    assert [overlay for overlay, _ in seen] == [(), ("--config", "configs/strategy/split_allreduce.yaml")]
+
+
+def test_the_ratios_are_the_medians_ratios():
+    times = {2: {"bare": [4.0, 3.0, 9.0], "plain Lightning": [6.0, 5.0, 5.5], "the app": [8.0, 7.0, 30.0],
+                 "seed loop, 2 replicas": [6.0, 5.0, 5.0], "ours 1 x 2": [11.0, 10.0, 12.0]}}
+    lines = host_work.table(times)
+    # medians: bare 4, plain 5.5, app 8, seed 5, ours 11 -> 8 / 5.5; (11 - 8) / (5 - 4)
+    assert "| **the app / plain Lightning** | **1.45** |" in lines
+    assert "| **a second replica: ours / the seed loop** | **3.00** (3.00 / 1.00 ms) |" in lines
