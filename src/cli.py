@@ -74,7 +74,7 @@ class CLI(LightningCLI):
         if isinstance(strategy, SplitsByWeight):  # before setup, where the strategy builds its shares
             strategy.split_weights = weights_after_restart(strategy.split_weights,
                                                            parallel_layout(strategy).total_replicas)
-        check_before_run(self.trainer, self.datamodule)
+        check_before_run(self.trainer, self.datamodule, self.model, fitting=self.subcommand == "fit")
         for callback in (ProcessGroupCleanup, RestartReport, HParamsMetrics):  # missing from older config.yaml
             if not any(isinstance(c, callback) for c in self.trainer.callbacks):
                 self.trainer.callbacks.append(callback())  # ProcessGroupCleanup reaches ddp_spawn's workers too

@@ -147,6 +147,9 @@ class FashionMNISTDataModule(pl.LightningDataModule):
             is the position in `predict_files` (or in the test split).
     """
 
+    #: one sample's shape as the model takes it (channels, height, width); the launch checks run the network on it
+    sample_shape = (1, 28, 28)
+
     def __init__(self, data_dir: str = "data", batch_size: int = 256, eval_batch_size: int | None = None,
                  val_size: int = 5000, split_seed: int = 42, shuffle_seed: int = 0, augment: bool = False,
                  download: bool = True, data_on_device: bool | Literal["auto"] = "auto",

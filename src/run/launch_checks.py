@@ -4,6 +4,7 @@ import os
 from collections.abc import Mapping
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
@@ -68,8 +69,33 @@ def check_sync_batchnorm(strategy: object, accelerator: object) -> None:
                            "or set trainer.sync_batchnorm: false")
 
 
-def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) -> None:
-    """Every check above, on the objects the CLI built.
+def example_input(module: pl.LightningModule, datamodule: object, samples: int = 2) -> torch.Tensor | None:
+    """A few input samples for the checks that run the network: the module's `example_input_array`, else `samples`
+    random ones of the DataModule's `sample_shape` in the module's dtype (from a generator of their own: the seeded
+    global one stays as the run will find it); None with neither."""
+    given = getattr(module, "example_input_array", None)
+    if isinstance(given, torch.Tensor):
+        return given
+    shape = getattr(datamodule, "sample_shape", None)
+    if shape is None:
+        return None
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    return torch.randn((samples, *shape), generator=torch.Generator().manual_seed(0), dtype=dtype)
+
+
+def check_model(trainer: pl.Trainer, datamodule: object, module: pl.LightningModule, fitting: bool) -> None:
+    """The strategy's check of the model (`check_model`, the split models': its cut or its split layers' sizes, and
+    what they cannot run), asked for without importing the strategies: here, once, not in every process it would
+    start."""
+    check = getattr(trainer.strategy, "check_model", None)
+    if check is not None:
+        check(module, trainer, example_input(module, datamodule), fitting)
+
+
+def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule, module: pl.LightningModule | None = None,
+                     fitting: bool = True) -> None:
+    """Every check above, on the objects the CLI built; with `module`, the strategy's check of it first (before the
+    batch checks: a layer the processes cannot split is the first thing to fix).
 
     Raises:
         TypeError: For a strategy this tool does not run (see `src.layout.parallel_layout`).
@@ -79,6 +105,8 @@ def check_before_run(trainer: pl.Trainer, datamodule: FashionMNISTDataModule) ->
     if isinstance(trainer.strategy, ParallelStrategy):
         check_cluster(trainer.num_nodes, trainer.strategy.cluster_environment)
     check_sync_batchnorm(trainer.strategy, trainer.accelerator)
+    if module is not None:
+        check_model(trainer, datamodule, module, fitting)
     copies = layout.processes // layout.model_parallel
     if layout.model_parallel > 1:  # the processes that hold one copy between them take the same part of a batch
         for key, batch in (("data.batch_size", datamodule.batch_size),

@@ -80,6 +80,42 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         """The 1-D mesh of this process's copy; None with one copy."""
         return None if self._mesh is None else self._mesh[self._split_dim]
 
+    def check_model(self, module: "pl.LightningModule", trainer: "pl.Trainer", example: torch.Tensor | None = None,
+                    fitting: bool = True) -> None:
+        """Refuse, in the launching process before any process starts (the CLI's launch checks call it), what depends
+        only on the config and the model: processes that do not divide into the copies, and what `setup` refuses
+        (in every process, for a Trainer run without the CLI); subclasses add their own.
+
+        Args:
+            module: The LightningModule as built, before any process or device holds it.
+            trainer: The Trainer of the run (its gradient clipping, its precision).
+            example: A few input samples (n, *sample shape) in the module's dtype, for the checks that run the
+                network; None: those are left to the processes.
+            fitting: Whether the run trains (manual optimization is refused only then).
+        """
+        self._check_copies()
+        self._refuse(module, trainer, fitting)
+
+    def _check_copies(self) -> None:
+        """Raises ValueError for processes that do not divide into the copies."""
+        if self.world_size % self.copies:
+            raise ValueError(f"{self.world_size} processes do not split into {self.copies} {self._copies_name} of "
+                             f"equal size; set {self._copies_name} to a divisor of trainer.devices x "
+                             "trainer.num_nodes")
+
+    def _refuse(self, module: "pl.LightningModule", trainer: "pl.Trainer", fitting: bool) -> None:
+        """Raises RuntimeError for what a split model cannot run (see `setup`)."""
+        if not isinstance(getattr(module, "net", None), torch.nn.Module):
+            raise RuntimeError(f"{self.way} splits the LightningModule's `net`, as "
+                               f"src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
+        if fitting and not module.automatic_optimization:
+            raise RuntimeError(f"{self.way} supports automatic optimization only. Set automatic_optimization=True.")
+        if trainer.gradient_clip_val:
+            raise RuntimeError(f"{self.way} does not clip gradients: each process holds only its part of them, and "
+                               "the norm is the whole model's; leave trainer.gradient_clip_val unset")
+        if module.hparams.get("compile"):
+            raise RuntimeError(f"{self.way} runs the network's parts itself; set model.init_args.compile: false")
+
     @override
     def setup_environment(self) -> None:
         """The process group, then with several copies the (copies, processes per copy) device mesh.
@@ -88,10 +124,7 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
             ValueError: Processes that do not divide into the copies.
         """
         super().setup_environment()
-        if self.world_size % self.copies:
-            raise ValueError(f"{self.world_size} processes do not split into {self.copies} {self._copies_name} of "
-                             f"equal size; set {self._copies_name} to a divisor of trainer.devices x "
-                             "trainer.num_nodes")
+        self._check_copies()
         if self.copies > 1 and self._mesh is None:
             self._mesh = init_device_mesh(self.root_device.type, (self.copies, self.copy_size),
                                           mesh_dim_names=("dp", self._split_dim))
@@ -106,17 +139,7 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
             RuntimeError: A module without a `net` to split, manual optimization, gradient clipping (each process
                 holds part of the gradients, the norm is the whole model's) or torch.compile.
         """
-        module = trainer.lightning_module
-        if not isinstance(getattr(module, "net", None), torch.nn.Module):
-            raise RuntimeError(f"{self.way} splits the LightningModule's `net`, as "
-                               f"src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
-        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
-            raise RuntimeError(f"{self.way} supports automatic optimization only. Set automatic_optimization=True.")
-        if trainer.gradient_clip_val:
-            raise RuntimeError(f"{self.way} does not clip gradients: each process holds only its part of them, and "
-                               "the norm is the whole model's; leave trainer.gradient_clip_val unset")
-        if module.hparams.get("compile"):
-            raise RuntimeError(f"{self.way} runs the network's parts itself; set model.init_args.compile: false")
+        self._refuse(trainer.lightning_module, trainer, trainer.state.fn == TrainerFn.FITTING)
         super().setup(trainer)
         group = self.group("dp")
         self._synced = {m: (m.distributed_available_fn, m.process_group) for m in trainer.lightning_module.modules()

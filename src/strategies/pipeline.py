@@ -55,8 +55,8 @@ class PipelineStrategy(ModelSplitStrategy):
 
     Raises:
         ValueError: At construction, an unknown schedule, fewer than one micro-batch or pipeline; at setup or the first
-            batch, cuts that do not fit the network or the processes, micro-batches that do not divide each pipeline's
-            share of the batch (`check_batch`, which the CLI calls before any process starts).
+            batch, cuts that do not fit the network or the processes (`check_model`), micro-batches that do not divide
+            each pipeline's share of the batch (`check_batch`); the CLI calls both before any process starts.
         RuntimeError: At setup, what the pipeline cannot run: manual optimization, gradient clipping, a model
             without `net` and `loss_fn`, torch.compile, fp16 with a gradient scaler.
     """
@@ -119,6 +119,24 @@ class PipelineStrategy(ModelSplitStrategy):
         if batch is not None:
             check_microbatches(batch, self.n_microbatches, self.copies, self.copy_size,
                                self.schedule in SEVERAL_PER_PROCESS)
+
+    @override
+    def check_model(self, module: "pl.LightningModule", trainer: "pl.Trainer", example: Tensor | None = None,
+                    fitting: bool = True) -> None:
+        """What every split model and the pipeline cannot run (`check_pipelinable`), a network that is not the chain
+        of its blocks (on `example`, when given) and cuts that do not fit it or the processes; the CLI calls it
+        before any process starts, so these are refused once (the processes meet them at setup and the first
+        batch)."""
+        super().check_model(module, trainer, example, fitting)
+        check_pipelinable(module, trainer.precision_plugin)
+        blocks = named_blocks(module.net)
+        if example is not None:
+            check_chain(module.net, blocks, example)
+        stages = self.copy_size * self.per_process
+        if self.cuts == "auto":
+            balanced_starts([1.0] * len(blocks), stages)  # refuses fewer blocks than stages, whatever the times
+        else:
+            cut_starts(blocks, list(self.cuts), stages, self.per_process)
 
     # ---- setup ----------------------------------------------------------------------------------------------
     @override

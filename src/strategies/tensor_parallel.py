@@ -12,6 +12,7 @@ checks against one device run in float64. This one takes every precision the Tra
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
@@ -22,7 +23,7 @@ from typing_extensions import override
 from src.layout import ParallelLayout
 from src.strategies.model_split import ModelSplitStrategy
 from src.strategies.processes import ProcessStart
-from src.strategies.tensor_plans import apply_plan
+from src.strategies.tensor_plans import apply_plan, check_plan
 
 
 def _whole(value: Any) -> Any:
@@ -41,7 +42,8 @@ class TensorParallelStrategy(ModelSplitStrategy):
 
     Raises:
         RuntimeError: At setup, a model without `net`, manual optimization, torch.compile, gradient clipping.
-        ValueError: At setup, a network without a plan, or channels or units that P does not divide.
+        ValueError: At setup, a network without a plan, or channels or units that P does not divide. The CLI refuses
+            all of these before any process starts (`check_model`).
     """
 
     strategy_name = "tensor_parallel"
@@ -62,6 +64,14 @@ class TensorParallelStrategy(ModelSplitStrategy):
         return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices,
                               "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
                               model_parallel=shares, model_split=words, split_tag=tag)
+
+    @override
+    def check_model(self, module: "pl.LightningModule", trainer: "pl.Trainer", example: torch.Tensor | None = None,
+                    fitting: bool = True) -> None:
+        """What every split model cannot run, a network without a plan and layers that the processes of a copy do not
+        divide (`check_plan`); the CLI calls it before any process starts, so these are refused once."""
+        super().check_model(module, trainer, example, fitting)
+        check_plan(module.net, self.copy_size)
 
     # ---- setup and the split ---------------------------------------------------------------------------------
     @override

@@ -132,8 +132,41 @@ def resnet18_plan(net: nn.Module, mesh: DeviceMesh) -> None:
             conv_by_input_channels(block.conv2, mesh)
 
 
+def lenet_sizes(net: nn.Module) -> list[tuple[str, int]]:
+    """What `lenet_plan` splits, in its order: (what, channels or units)."""
+    conv1, conv2 = net.features[0], net.features[3]
+    return [(f"the output channels of {conv1}", conv1.out_channels), (f"the input channels of {conv2}",
+            conv2.in_channels), ("the units of the first dense layer", net.classifier[1].out_features)]
+
+
+def resnet18_sizes(net: nn.Module) -> list[tuple[str, int]]:
+    """What `resnet18_plan` splits, in its order: (what, channels)."""
+    return [size for stage in net.stages for block in stage
+            for size in ((f"the output channels of {block.conv1}", block.conv1.out_channels),
+                         (f"the channels of {block.bn1}", block.bn1.num_features),
+                         (f"the input channels of {block.conv2}", block.conv2.in_channels))]
+
+
 #: the network's class name -> its plan
 PLANS: dict[str, Callable[[nn.Module, DeviceMesh], None]] = {"LeNet": lenet_plan, "ResNet18": resnet18_plan}
+#: the network's class name -> what its plan splits, to check the sizes without a process group (`check_plan`)
+SIZES: dict[str, Callable[[nn.Module], list[tuple[str, int]]]] = {"LeNet": lenet_sizes, "ResNet18": resnet18_sizes}
+
+
+def check_plan(net: nn.Module, degree: int) -> None:
+    """Check, without a device mesh, that `net` has a plan and that `degree` shares divide every layer it splits;
+    the launching process calls it before any process starts, so the first of these is refused once.
+
+    Raises:
+        ValueError: No plan for the network's class (the message names the ones there are), or channels or units
+            that do not divide by `degree` (the first such layer in the plan's order, as `apply_plan` meets it).
+    """
+    name = type(net).__name__
+    if name not in PLANS:
+        raise ValueError(f"tensor parallelism has plans for {', '.join(PLANS)} (src/strategies/tensor_plans.py), not "
+                         f"for {name}; add one there, or train it with another strategy")
+    for what, size in SIZES[name](net):
+        check_divisible(what, size, degree)
 
 
 def apply_plan(net: nn.Module, mesh: DeviceMesh) -> None:
@@ -143,8 +176,5 @@ def apply_plan(net: nn.Module, mesh: DeviceMesh) -> None:
         ValueError: No plan for the network's class (the message names the ones there are), or channels or units
             that do not divide by the mesh's size.
     """
-    plan = PLANS.get(type(net).__name__)
-    if plan is None:
-        raise ValueError(f"tensor parallelism has plans for {', '.join(PLANS)} (src/strategies/tensor_plans.py), not "
-                         f"for {type(net).__name__}; add one there, or train it with another strategy")
-    plan(net, mesh)
+    check_plan(net, mesh.size() if mesh is not None else 1)
+    PLANS[type(net).__name__](net, mesh)
