@@ -49,7 +49,6 @@ def check_divisible(what: str, size: int, degree: int) -> None:
 def conv_by_output_channels(conv: nn.Conv2d, mesh: DeviceMesh) -> None:
     """conv's weight and bias split by output channels; its forward takes the whole input x (N, C_in, H, W) and
     returns this process's share of the output channels, (N, C_out / P, H', W'), as a plain tensor."""
-    check_divisible(f"the output channels of {conv}", conv.out_channels, mesh.size())
     _shard(conv, "weight", mesh, Shard(0))
     _shard(conv, "bias", mesh, Shard(0))
     bias = [Shard(0)] if conv.bias is not None else None
@@ -72,7 +71,6 @@ def conv_by_input_channels(conv: nn.Conv2d, mesh: DeviceMesh) -> None:
     """conv's weight split by input channels; its forward takes this process's share of the input channels
     (N, C_in / P, H, W), allreduces the partial sums and returns the whole output (N, C_out, H', W') with the bias
     (replicated) added, as a plain tensor."""
-    check_divisible(f"the input channels of {conv}", conv.in_channels, mesh.size())
     _shard(conv, "weight", mesh, Shard(1))
 
     def run(x: Tensor, w: Tensor) -> Tensor:
@@ -91,7 +89,6 @@ def conv_by_input_channels(conv: nn.Conv2d, mesh: DeviceMesh) -> None:
 def batchnorm_by_channels(bn: nn.BatchNorm2d, mesh: DeviceMesh) -> None:
     """bn's weight, bias and running statistics split by channels, with the conv before it: its forward normalises
     this process's share of the channels (N, C / P, H, W), each channel by its own statistics, as one device does."""
-    check_divisible(f"the channels of {bn}", bn.num_features, mesh.size())
     for name in ("weight", "bias"):
         _shard(bn, name, mesh, Shard(0))
     for name in ("running_mean", "running_var"):
@@ -113,68 +110,71 @@ def batchnorm_by_channels(bn: nn.BatchNorm2d, mesh: DeviceMesh) -> None:
     bn.forward = forward
 
 
-def lenet_plan(net: nn.Module, mesh: DeviceMesh) -> None:
+def dense_colwise(linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """linear split by its output units (torch's `ColwiseParallel`): the whole input in, a share of the units out."""
+    parallelize_module(linear, mesh, ColwiseParallel())
+
+
+def dense_rowwise(linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """linear split by its input units (torch's `RowwiseParallel`): a share of the units in, the allreduced whole
+    output out."""
+    parallelize_module(linear, mesh, RowwiseParallel())
+
+
+#: what each split divides, of the layer it is given: (what, how many), as its refusal names them
+SPLIT_SIZE: dict[Callable[..., None], Callable[[nn.Module], tuple[str, int]]] = {
+    conv_by_output_channels: lambda m: (f"the output channels of {m}", m.out_channels),
+    conv_by_input_channels: lambda m: (f"the input channels of {m}", m.in_channels),
+    batchnorm_by_channels: lambda m: (f"the channels of {m}", m.num_features),
+    dense_colwise: lambda m: (f"the output units of {m}", m.out_features),
+    dense_rowwise: lambda m: (f"the input units of {m}", m.in_features),
+}
+Plan = list[tuple[Callable[[nn.Module, DeviceMesh], None], nn.Module]]
+
+
+def lenet_plan(net: nn.Module) -> Plan:
     """LeNet: conv1 by output channels (20), ReLU and pooling on each share, conv2 by input channels with one
     allreduce; the first dense layer colwise (128 units), the second rowwise."""
-    conv_by_output_channels(net.features[0], mesh)
-    conv_by_input_channels(net.features[3], mesh)
-    check_divisible("the units of the first dense layer", net.classifier[1].out_features, mesh.size())
-    parallelize_module(net.classifier, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    return [(conv_by_output_channels, net.features[0]), (conv_by_input_channels, net.features[3]),
+            (dense_colwise, net.classifier[1]), (dense_rowwise, net.classifier[3])]
 
 
-def resnet18_plan(net: nn.Module, mesh: DeviceMesh) -> None:
+def resnet18_plan(net: nn.Module) -> Plan:
     """ResNet-18: in every residual block, conv1 by output channels with BN1 and ReLU on each share, then conv2 by
     input channels with one allreduce; BN2, the shortcut, the stem and the head replicated."""
-    for stage in net.stages:
-        for block in stage:
-            conv_by_output_channels(block.conv1, mesh)
-            batchnorm_by_channels(block.bn1, mesh)
-            conv_by_input_channels(block.conv2, mesh)
+    return [(split, layer) for stage in net.stages for block in stage
+            for split, layer in ((conv_by_output_channels, block.conv1), (batchnorm_by_channels, block.bn1),
+                                 (conv_by_input_channels, block.conv2))]
 
 
-def lenet_sizes(net: nn.Module) -> list[tuple[str, int]]:
-    """What `lenet_plan` splits, in its order: (what, channels or units)."""
-    conv1, conv2 = net.features[0], net.features[3]
-    return [(f"the output channels of {conv1}", conv1.out_channels), (f"the input channels of {conv2}",
-            conv2.in_channels), ("the units of the first dense layer", net.classifier[1].out_features)]
+#: the network's class name -> its plan: each split, in order, with the layer it splits
+PLANS: dict[str, Callable[[nn.Module], Plan]] = {"LeNet": lenet_plan, "ResNet18": resnet18_plan}
 
 
-def resnet18_sizes(net: nn.Module) -> list[tuple[str, int]]:
-    """What `resnet18_plan` splits, in its order: (what, channels)."""
-    return [size for stage in net.stages for block in stage
-            for size in ((f"the output channels of {block.conv1}", block.conv1.out_channels),
-                         (f"the channels of {block.bn1}", block.bn1.num_features),
-                         (f"the input channels of {block.conv2}", block.conv2.in_channels))]
-
-
-#: the network's class name -> its plan
-PLANS: dict[str, Callable[[nn.Module, DeviceMesh], None]] = {"LeNet": lenet_plan, "ResNet18": resnet18_plan}
-#: the network's class name -> what its plan splits, to check the sizes without a process group (`check_plan`)
-SIZES: dict[str, Callable[[nn.Module], list[tuple[str, int]]]] = {"LeNet": lenet_sizes, "ResNet18": resnet18_sizes}
-
-
-def check_plan(net: nn.Module, degree: int) -> None:
-    """Check, without a device mesh, that `net` has a plan and that `degree` shares divide every layer it splits;
-    the launching process calls it before any process starts, so the first of these is refused once.
+def check_plan(net: nn.Module, degree: int) -> Plan:
+    """`net`'s plan, checked without a device mesh: every layer it splits divides into `degree` shares. The launching
+    process calls it before any process starts, so a refusal comes once; `apply_plan` checks again first.
 
     Raises:
         ValueError: No plan for the network's class (the message names the ones there are), or channels or units
-            that do not divide by `degree` (the first such layer in the plan's order, as `apply_plan` meets it).
+            that do not divide by `degree` (the first such layer in the plan's order).
     """
     name = type(net).__name__
     if name not in PLANS:
         raise ValueError(f"tensor parallelism has plans for {', '.join(PLANS)} (src/strategies/tensor_plans.py), not "
                          f"for {name}; add one there, or train it with another strategy")
-    for what, size in SIZES[name](net):
-        check_divisible(what, size, degree)
+    plan = PLANS[name](net)
+    for split, layer in plan:
+        check_divisible(*SPLIT_SIZE[split](layer), degree)
+    return plan
 
 
 def apply_plan(net: nn.Module, mesh: DeviceMesh) -> None:
-    """Split `net` over `mesh` by its plan.
+    """Split `net` over `mesh` by its plan, once every split was checked (`check_plan`), so that nothing is split
+    when a refusal comes.
 
     Raises:
-        ValueError: No plan for the network's class (the message names the ones there are), or channels or units
-            that do not divide by the mesh's size.
+        ValueError: From `check_plan`.
     """
-    check_plan(net, mesh.size() if mesh is not None else 1)
-    PLANS[type(net).__name__](net, mesh)
+    for split, layer in check_plan(net, mesh.size() if mesh is not None else 1):
+        split(layer, mesh)
