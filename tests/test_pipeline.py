@@ -18,6 +18,7 @@ from src.strategies import PipelineStrategy, ProcessStart
 from src.strategies.pipeline_net import microbatches_for
 from src.strategies.pipeline_stages import balanced_starts, check_chain, cut_starts, named_blocks, stage_names
 from tests.helpers import cli_args
+from tests.helpers.hparams import run_row
 from tests.helpers.runs import (START_METHOD, assert_optimizer_state_as_one_devices, first_epoch_checkpoint, fit,
                                 max_param_diff, seeded_model, stop_then_resume)
 
@@ -289,6 +290,11 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
     assert "2 stages (features.0-features.2 | features.3-classifier.3)" in out, out  # `auto`'s cut, as the docs say
     assert "test acc " in out
     run = tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0"
+    hparams = run_row(run)[0]  # the way's own columns; the cut, fixed at the first batch, as the run ends
+    assert (hparams["run/pipeline_schedule"], hparams["run/micro_batches"], hparams["run/pipeline_cut"]) == \
+        ("gpipe", 4, "features.3"), hparams
+    assert hparams["run/per_replica_batch"] == hparams["run/global_batch"] == 64  # the one copy's: all of it
+    assert "run/tensor_degree" not in hparams
     last = str(run / "checkpoints" / "last.ckpt")
     main(["validate", *overlay, *cli_args.data_args(tiny_data_dir), "--ckpt_path", last,
           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])

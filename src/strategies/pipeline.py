@@ -114,7 +114,9 @@ class PipelineStrategy(ModelSplitStrategy):
             words, tag = f"{self.copies} pipelines of {words}", f"{tag}-x{self.copies}"
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
-                              model_parallel=self.copy_size, model_split=words, split_tag=tag)
+                              model_parallel=self.copy_size, model_split=words, split_tag=tag, columns=(
+                                  ("run/pipeline_schedule", self.schedule), ("run/micro_batches", self.n_microbatches),
+                                  ("run/pipeline_cut", None if self._starts is None else ", ".join(self.chosen_cuts))))
 
     def check_batch(self, batch: int | None) -> None:
         """Refuse a global batch of `batch` samples (None: unknown, nothing to check) whose per-pipeline share does
