@@ -42,6 +42,9 @@ class ParallelLayout:
         model_split: How the model is split between those processes, in words for the epoch line, e.g. "2 stages
             (features.0-features.5 | classifier.0-classifier.3), GPipe, 4 micro-batches"; None when it is not.
         split_tag: The same for run names, e.g. "gpipe-m4"; None when the model is not split.
+        columns: The way's own HPARAMS columns (`src.run.hparams_table.COLUMNS`) and their values, e.g.
+            (("run/pipeline_schedule", "gpipe"), ("run/micro_batches", 4), ("run/pipeline_cut", "features.3")) or
+            (("run/tensor_degree", 2),); a value of None (a cut not yet chosen) leaves its cell empty.
     """
 
     strategy: str
@@ -60,6 +63,7 @@ class ParallelLayout:
     model_parallel: int = 1
     model_split: str | None = None
     split_tag: str | None = None
+    columns: tuple[tuple[str, str | int | None], ...] = ()
 
     @property
     def total_replicas(self) -> int:

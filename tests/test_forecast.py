@@ -165,6 +165,29 @@ def tiny(tmp_path):
     return config, write_calibration(tmp_path / "cal.json")
 
 
+def test_the_plot_s_legend_covers_no_line_or_band():
+    """forecast.png's legend lies outside both panels: inside the efficiency panel it hid reduce_broadcast's band."""
+    from dataclasses import fields
+
+    from src.scaling.forecast_files import Row, forecast_figure
+
+    def row(algorithm, devices, efficiency):
+        values = {"images_per_s": 1800.0 * devices * efficiency, "efficiency": efficiency}
+        values.update(efficiency_low=efficiency - 0.05, efficiency_high=efficiency + 0.05,
+                      images_per_s_low=values["images_per_s"] * 0.9, images_per_s_high=values["images_per_s"] * 1.1)
+        return Row(**{f.name: values.get(f.name, 1.0) for f in fields(Row)} | {"algorithm": algorithm,
+                                                                              "devices": devices})
+
+    rows = [row(a, d, e) for a, slope in (("ring", 0.09), ("reduce_broadcast", 0.16)) for d, e in
+            ((1, 1.0), (2, 1.0 - slope * 1.5), (4, 1.0 - slope * 3))]
+    measured = [{"strategy": "ddp", "devices": "2", "images_per_s": "120.0", "speedup_vs_single": "1.2"}]
+    fig = forecast_figure(rows, "title", measured)
+    fig.canvas.draw()
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    assert legends and not any(legend.get_window_extent().overlaps(ax.get_window_extent())
+                               for legend in legends for ax in fig.axes)
+
+
 def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
     config, cal = tiny
     scaling = tmp_path / "scaling" / "tiny" / "version_0"

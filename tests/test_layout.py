@@ -13,7 +13,7 @@ from src.run.logger import run_hparams
 from src.batch_shares import ReplicaShares
 from src.strategies.comm.exchange_names import EXCHANGES, exchange_name
 from src.layout import parallel_layout
-from src.strategies import ProcessStart
+from src.strategies import PipelineStrategy, ProcessStart, TensorParallelStrategy
 from src.strategies.split_allreduce import SplitAllreduceStrategy
 from tests.helpers import cli_args
 
@@ -117,6 +117,23 @@ def test_hparams_name_the_exchange_in_the_vocabulary():
     assert hparams["run/processes"] == 2 and hparams["run/replicas_per_process"] == 2 and hparams["run/device"] == "cpu"
     assert hparams["run/per_replica_batch"] == 16
     assert run_hparams(_trainer(DDPStrategy(start_method="spawn"), devices=2), 64, 42)["run/allreduce"] == "torch"
+
+
+def test_hparams_of_the_split_ways_name_their_own_settings():
+    """A pipeline's row names its schedule and micro-batches (the cut once the first batch fixes it: empty before),
+    tensor parallelism's its degree; `run/per_replica_batch` is what each copy of the split model takes (64 / 2
+    pipelines of 2 processes each: 32, not 64 / 4 processes); other ways' rows leave these cells empty."""
+    rows = {schedule: run_hparams(_trainer(PipelineStrategy(schedule=schedule, n_microbatches=2, pipelines=2,
+                                                            processes=SPAWN), devices=4), 64, 42)
+            for schedule in ("gpipe", "1f1b")}
+    assert [rows[s]["run/pipeline_schedule"] for s in rows] == ["gpipe", "1f1b"]
+    assert rows["1f1b"]["run/micro_batches"] == 2 and rows["1f1b"]["run/per_replica_batch"] == 32
+    assert rows["1f1b"]["run/pipeline_cut"] is None and "run/tensor_degree" not in rows["1f1b"]
+    tensor = run_hparams(_trainer(TensorParallelStrategy(replicas=2, processes=SPAWN), devices=4), 64, 42)
+    assert tensor["run/tensor_degree"] == 2 and tensor["run/per_replica_batch"] == 32
+    ours = run_hparams(_trainer(SplitAllreduceStrategy(processes=SPAWN, devices=["cpu", "cpu"]), devices=2), 64, 42)
+    split = {"run/pipeline_schedule", "run/micro_batches", "run/pipeline_cut", "run/tensor_degree"}
+    assert split & set(tensor) == {"run/tensor_degree"} and not split & set(ours)
 
 
 def test_a_config_saved_with_the_old_class_paths_still_predicts(tiny_data_dir, tmp_path):

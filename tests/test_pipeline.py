@@ -6,16 +6,19 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import nn
 
 from src.cli import main
-from src.models.classifier import LeNetClassifier
+from src.scaling.layer_profile import profile_network
+from src.models.classifier import LeNetClassifier, ResNet18Classifier
 from src.models.lenet import LeNet
 from src.models.resnet import ResNet18
 from src.strategies import PipelineStrategy, ProcessStart
 from src.strategies.pipeline_net import microbatches_for
 from src.strategies.pipeline_stages import balanced_starts, check_chain, cut_starts, named_blocks, stage_names
 from tests.helpers import cli_args
+from tests.helpers.hparams import run_row
 from tests.helpers.runs import (START_METHOD, assert_optimizer_state_as_one_devices, first_epoch_checkpoint, fit,
                                 max_param_diff, seeded_model, stop_then_resume)
 
@@ -57,6 +60,36 @@ def test_the_balanced_cut_makes_the_slowest_stage_fastest():
     assert balanced_starts([1, 2, 3, 4, 5, 6], 3) == [3, 5]  # 6 | 9 | 6: no cut has a slower stage under 9
     with pytest.raises(ValueError, match="fewer than the 3 stages"):
         balanced_starts([1.0, 2.0], 3)
+
+
+def test_ties_go_to_the_cut_that_sends_the_fewest_bytes():
+    assert balanced_starts([1, 0, 0, 1], 2) == [1]  # 1 | 1 three ways: the first without outputs
+    assert balanced_starts([1, 0, 0, 1], 2, [9, 5, 7, 1]) == [2]  # the cut before block 2 sends block 1's 5
+
+
+def _planned_cut(net: nn.Module, batch: int, stages: int) -> list[str]:
+    """The cut `auto` makes at the first batch, through the strategy's own `_plan` (rank 0 of `stages` processes)."""
+    strategy, world = PipelineStrategy(cuts="auto"), LightningEnvironment()
+    world.set_world_size(stages)
+    strategy.cluster_environment = world
+    strategy._net = net
+    strategy._plan(torch.randn(batch, 1, 28, 28))
+    return strategy.chosen_cuts
+
+
+@pytest.mark.parametrize("cls, stages, cut", [(LeNetClassifier, 2, ["features.3"]), (LeNetClassifier, 3,
+                                                                                    ["features.3", "classifier.0"]),
+                                              (ResNet18Classifier, 2, ["stages.2.0"])])
+def test_auto_cuts_where_the_forecast_counts_the_work_balanced_the_same_every_run(cls, stages, cut):
+    """`auto` balances the blocks' multiply-adds, which the forecast's profile counts too: two runs, other weights
+    and another batch, make the same cut, the cut that balances the profile's counts."""
+    torch.manual_seed(0)
+    first = _planned_cut(cls().net, 8, stages)
+    torch.manual_seed(1)
+    assert _planned_cut(cls().net, 4, stages) == first == cut
+    profile = profile_network(f"{cls.__module__}.{cls.__name__}")
+    starts = balanced_starts([b.macs for b in profile.blocks], stages, [b.output for b in profile.blocks])
+    assert [profile.names[i] for i in starts] == cut
 
 
 def test_micro_batches_divide_every_batch():
@@ -254,8 +287,14 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
         main(["fit", *overlay, *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
     assert "pipeline: 2 processes as 1 replica on cpu" in out and "GPipe, 4 micro-batches" in out, out
+    assert "2 stages (features.0-features.2 | features.3-classifier.3)" in out, out  # `auto`'s cut, as the docs say
     assert "test acc " in out
     run = tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0"
+    hparams = run_row(run)[0]  # the way's own columns; the cut, fixed at the first batch, as the run ends
+    assert (hparams["run/pipeline_schedule"], hparams["run/micro_batches"], hparams["run/pipeline_cut"]) == \
+        ("gpipe", 4, "features.3"), hparams
+    assert hparams["run/per_replica_batch"] == hparams["run/global_batch"] == 64  # the one copy's: all of it
+    assert "run/tensor_degree" not in hparams
     last = str(run / "checkpoints" / "last.ckpt")
     main(["validate", *overlay, *cli_args.data_args(tiny_data_dir), "--ckpt_path", last,
           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])

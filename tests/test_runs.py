@@ -8,24 +8,10 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from src.cli import main, run
 from src.run.logger import run_tag
 from src.strategies import SplitAllreduceStrategy
+from tests.helpers.hparams import run_row as _hparams
 
 LENET = ["--config", "configs/lenet.yaml"]
 SPLIT = ["--config", "configs/strategy/split_allreduce.yaml"]
-
-
-def _hparams(run_dir) -> tuple[dict, list[str], EventAccumulator]:
-    """(hyperparameters of the run's session, names of its HPARAMS metrics in order, its events)."""
-    ea = EventAccumulator(str(run_dir))
-    ea.Reload()
-    hparams, metrics = {}, []
-    for content in ea.PluginTagToContent("hparams").values():
-        data = plugin_data_pb2.HParamsPluginData.FromString(content)
-        if data.HasField("session_start_info"):
-            for key, value in data.session_start_info.hparams.items():
-                hparams[key] = getattr(value, value.WhichOneof("kind"))
-        if data.HasField("experiment"):
-            metrics += [m.name.tag for m in data.experiment.metric_infos]
-    return hparams, metrics, ea
 
 
 def _table(run_dir) -> tuple[list[str], str]:

@@ -50,6 +50,28 @@ def test_the_ideal_line_is_flat_when_devices_share_the_cpu_cores(tmp_path):
     assert next(csv.DictReader(open(tmp_path / "scaling.csv")))["accelerator"] == "cpu"
 
 
+def test_the_one_device_point_shows_above_the_lines_that_start_at_it_and_the_legend_covers_no_line():
+    """Every other strategy's line starts at the one-device point, so drawn after it they hid it: rendered, the pixel
+    at that point is the single point's black, and the legend lies outside the axes."""
+    import numpy as np
+
+    from src.scaling.report import Row, scaling_figure
+
+    def row(strategy, devices, images_per_s):
+        return Row(strategy=strategy, devices=devices, global_batch=64, sec_per_epoch=1.0, images_per_s=images_per_s,
+                   speedup_vs_single=1.0, efficiency=1.0, final_val_acc=0.8, accelerator="cpu")
+
+    fig = scaling_figure([row("single", 1, 1500.0), row("split_allreduce", 2, 1480.0), row("ddp", 2, 1510.0)],
+                         "title", shared_cores=True)
+    fig.canvas.draw()
+    [ax] = fig.axes
+    pixels = np.asarray(fig.canvas.buffer_rgba())
+    x, y = ax.transData.transform((1, 1500.0))
+    assert tuple(pixels[pixels.shape[0] - 1 - round(y), round(x), :3]) == (0, 0, 0)
+    legends = [*fig.legends, *filter(None, [ax.get_legend()])]
+    assert legends and not any(legend.get_window_extent().overlaps(ax.get_window_extent()) for legend in legends)
+
+
 def test_the_report_title_says_the_length_the_runs_were_given():
     """`--max_steps 20` runs 20 steps (or the epochs, if sooner), and the title says so, not "2 epochs"."""
     from src.scaling.report import report_title

@@ -2,6 +2,7 @@
 
 import lightning.pytorch as pl
 
+from src.layout import parallel_layout
 from src.run.hparams_table import length_words
 from src.run.logger import RunLogger
 
@@ -11,7 +12,8 @@ class HParamsMetrics(pl.Callback):
     validation (not the sanity check), `hp/test_acc` after every test; read from `val/acc` and `test/acc`.
 
     When training ends, or stops on an error, it gives the `RunLogger` the run length actually trained (optimizer
-    steps, and epochs as steps over the global batches of an epoch) for the row the logger writes as it closes.
+    steps, and epochs as steps over the global batches of an epoch) for the row the logger writes as it closes; as
+    any run ends, the layout's own columns as they are then (the pipeline's cut, chosen at the first batch).
     """
 
     def __init__(self) -> None:
@@ -30,12 +32,24 @@ class HParamsMetrics(pl.Callback):
             self._log(trainer, {"hp/test_acc": float(acc)})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":  # Lightning calls this before the loggers' finalize
+        # Lightning calls this before the loggers' finalize, which writes the row
+        self._describe_layout(trainer)
+        if stage == "fit":
             self._describe_length(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._describe_layout(trainer)
         if trainer.training:
             self._describe_length(trainer)
+
+    @staticmethod
+    def _describe_layout(trainer: pl.Trainer) -> None:
+        """The layout's own columns as they are now: the pipeline's `auto` cut is fixed at the first batch, after
+        the row's other columns were described."""
+        columns = dict(parallel_layout(trainer.strategy).columns)
+        for logger in trainer.loggers:
+            if isinstance(logger, RunLogger):
+                logger.describe_columns(columns)
 
     @staticmethod
     def _describe_length(trainer: pl.Trainer) -> None:

@@ -10,7 +10,9 @@ How TensorBoard 2.21 builds the table (tensorboard/plugins/hparams/backend_conte
   start with the version: "v0 lenet/ddp-2x1-cpu (/home/me/logs)".
 
 The five columns shown with no clicks are `SHOWN`: the layout (strategy, processes, replicas per process), the
-global batch and the run length. The others are one tick away. Keys that only locate files or switch a feature off
+global batch and the run length. The others are one tick away, among them the split ways' own (the pipeline's
+schedule, micro-batches and cut, tensor parallelism's degree: `src.layout.ParallelLayout.columns`), empty in the
+rows of the other ways. Keys that only locate files or switch a feature off
 (data_dir, download, predict_dir, nonfinite_loss, ...) are left out.
 """
 
@@ -29,7 +31,8 @@ SHOWN = {"run/strategy": STRING, "run/processes": NUMBER, "run/replicas_per_proc
 MORE = {"run/model": STRING, "run/device": STRING, "run/precision": STRING, "run/threads": NUMBER,
         "run/seed": NUMBER, "run/allreduce": STRING, "run/compression": STRING, "run/zero_stage": NUMBER,
         "run/backend": STRING,
-        "run/per_replica_batch": NUMBER,
+        "run/per_replica_batch": NUMBER, "run/pipeline_schedule": STRING, "run/micro_batches": NUMBER,
+        "run/pipeline_cut": STRING, "run/tensor_degree": NUMBER,
         "run/split_weights": STRING, "run/torch": STRING, "run/lightning": STRING,
         "optimizer": STRING, "lr": NUMBER, "lr_scaled": NUMBER, "base_batch_size": NUMBER, "lr_scaling": STRING,
         "max_lr": NUMBER, "momentum": NUMBER, "nesterov": BOOL, "weight_decay": NUMBER, "scheduler": STRING,

@@ -49,6 +49,9 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
 
     `run/allreduce` names the whole job's gradient exchange in the vocabulary of
     `src.strategies.comm.exchange_names.EXCHANGES` (none, ring, reduce_broadcast, hierarchical, torch).
+    `run/per_replica_batch` is what each copy of the model takes of a global batch: a replica's share under data
+    parallelism, under a split model (pipeline, tensor parallelism) the share of each copy, which all of its
+    processes see. A split model adds its way's own columns (`ParallelLayout.columns`).
     """
     layout = parallel_layout(trainer.strategy)
     weights = layout.split_weights
@@ -69,6 +72,7 @@ def run_hparams(trainer: "pl.Trainer", global_batch: int | None, seed: int | Non
         "run/seed": seed,
         "run/torch": torch.__version__,
         "run/lightning": lightning.__version__,
+        **dict(layout.columns),
     }
 
 
@@ -106,6 +110,11 @@ class RunLogger(TensorBoardLogger):
     def describe_run(self, run_name: str, hparams: dict[str, Any]) -> None:
         """Set the run's folder name (below the experiment) and the hyperparameters that describe it."""
         self.run_name, self.run_hparams = run_name, dict(hparams)
+
+    def describe_columns(self, columns: dict[str, Any]) -> None:
+        """Update HPARAMS columns known only once the run has started, e.g. the pipeline's cut, which `auto` fixes
+        at the first batch (`ParallelLayout.columns`); a value of None keeps what was described."""
+        self.run_hparams.update({name: value for name, value in columns.items() if value is not None})
 
     def describe_length(self, words: str, steps: int = 0) -> None:
         """Set the HPARAMS run length, e.g. "150 steps, 0.18 epochs" (`src.run.hparams_table.length_words`); a fit

@@ -9,8 +9,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from src.scaling.cost_fit import BandPrediction
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -159,12 +163,24 @@ def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] 
     Raises:
         OSError: The folder cannot be written.
     """
+    fig = forecast_figure(rows, title, measured)
+    import matplotlib.pyplot as plt  # after the figure chose the Agg backend
+
+    fig.savefig(out / ".forecast.tmp.png", dpi=110)
+    plt.close(fig)
+    os.replace(out / ".forecast.tmp.png", out / "forecast.png")
+    return out / "forecast.png"
+
+
+def forecast_figure(rows: list[Row], title: str, measured: Sequence[dict] = ()) -> "Figure":
+    """forecast.png's figure (`write_plot`): the legend to the right of both panels, where it covers no line or
+    band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_ips, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_ips, ax_eff) = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
     for name in dict.fromkeys(r.algorithm for r in rows):
         pts = [r for r in rows if r.algorithm == name]
         x = [r.devices for r in pts]
@@ -193,10 +209,6 @@ def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] 
     else:
         ax_ips.set_ylim(bottom=0)
     ax_eff.set_ylim(0, 1.05 * max(1.0, *(r.efficiency_high for r in rows)))
-    ax_eff.legend(fontsize=8)
+    fig.legend(*ax_eff.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     fig.suptitle(f"{title} (predicted)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / ".forecast.tmp.png", dpi=110)
-    plt.close(fig)
-    os.replace(out / ".forecast.tmp.png", out / "forecast.png")
-    return out / "forecast.png"
+    return fig

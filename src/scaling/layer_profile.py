@@ -111,16 +111,10 @@ def _record(module, blocks, layers: dict[str, str], batch: int) -> _Recorder:
 def _layer_hook(rec: _Recorder, name: str, kind: str | None):
     """A forward hook counting `name`'s multiply-adds and, for a split layer, opening or closing the split and
     noting the allreduce its split makes."""
-    from torch import nn
+    from src.strategies.pipeline_stages import layer_macs  # the count the pipeline's `auto` cut balances
 
     def hook(layer, inputs, output):
-        if isinstance(layer, nn.Conv2d):
-            k = layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
-            macs = output[0].numel() * k
-        elif isinstance(layer, nn.Linear):
-            macs = layer.in_features * layer.out_features
-        else:
-            macs = 0
+        macs = layer_macs(layer, output)
         rec.macs[rec.block] += macs
         if kind is None:
             return

@@ -17,11 +17,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
 from src.scaling.version_folders import next_version
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Strategy = Literal["single", "split_allreduce", "split_allreduce_processes", "ddp"]
 
@@ -122,11 +125,6 @@ def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = Fa
         shared_cores: The "devices" are CPU devices sharing the same cores: the plot's ideal line is then flat
             at one device's throughput (1x), and its title says why; otherwise the ideal is linear in devices.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     header = ["strategy", "devices", "global batch", "sec/epoch", "images/s", "speedup vs single",
               "efficiency (speedup / ideal)", "final val acc"]
     ideal = ("ideal speedup: 1x at every device count, because CPU \"devices\" share the same cores"
@@ -147,11 +145,33 @@ def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = Fa
         writer.writerows(asdict(r) for r in rows)
     os.replace(tmp, out / "scaling.csv")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = scaling_figure(rows, title, shared_cores)
+    import matplotlib.pyplot as plt  # after the figure chose the Agg backend
+
+    fig.savefig(out / ".scaling.tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(out / ".scaling.tmp.png", out / "scaling.png")
+
+
+def scaling_figure(rows: list[Row], title: str, shared_cores: bool = False) -> "Figure":
+    """scaling.png's figure: images/s against devices, a line per strategy from the one-device point, the ideal
+    dashed. The one-device (`single`) point is drawn last, as a black diamond, since every line starts at it; the
+    legend goes below the axes, where it covers no line.
+
+    Args:
+        rows: One per run.
+        title: The plot's title.
+        shared_cores: As `write_report`'s.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.6), layout="constrained")
     single = [r for r in rows if r.strategy == "single"]
-    for name in dict.fromkeys(r.strategy for r in rows):
-        pts = sorted(((r.devices, r.images_per_s) for r in rows if r.strategy == name or
-                      (name != "single" and r in single)))
+    for name in dict.fromkeys(r.strategy for r in rows if r.strategy != "single"):
+        pts = sorted((r.devices, r.images_per_s) for r in rows if r.strategy == name or r in single)
         ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=name)
     if single:
         # CPU "devices" are the same cores shared out, so the most any layout can reach is one device's speed
@@ -159,6 +179,8 @@ def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = Fa
         label = "ideal: 1x (devices share the CPU cores)" if shared_cores else "ideal (linear)"
         ax.plot(counts, ideal_images_per_s(single[0].images_per_s, counts, shared_cores), ls="--", color="gray",
                 label=label)
+        ax.plot([r.devices for r in single], [r.images_per_s for r in single], ls="none", marker="D", markersize=8,
+                color="black", zorder=5, label="single (one device)")
         if shared_cores:
             title += "\nCPU devices share the same cores: the ideal speedup is 1x, not one per device"
     ax.set_ylim(bottom=0)  # a zero-based axis keeps small differences from looking large
@@ -167,11 +189,8 @@ def write_report(rows: list[Row], out: Path, title: str, shared_cores: bool = Fa
     ax.set_title(title, fontsize=9)
     ax.set_xticks(sorted({r.devices for r in rows}))
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / ".scaling.tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(out / ".scaling.tmp.png", out / "scaling.png")
+    fig.legend(loc="outside lower center", ncol=2, fontsize=8)
+    return fig
 
 
 def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allreduce", "ddp"],  # noqa: B006

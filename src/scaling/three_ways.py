@@ -340,7 +340,8 @@ def _window(layout: Layout, times: list[float], transfers: list[float]) -> tuple
 
 def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> tuple[int, ...]:
     """The cut whose schedule window is shortest: every cut tried (up to 20,000 of them), else the cut that
-    balances the stages' costs, `Setting.costs` (`src.strategies.pipeline_stages.balanced_starts`).
+    balances the stages' costs, `Setting.costs` (`src.strategies.pipeline_stages.balanced_starts`, the pipeline
+    strategy's `auto` cut when the costs are the multiply-adds).
 
     Args:
         profile: The network.
@@ -358,7 +359,7 @@ def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Settin
     if math.comb(n - 1, stages - 1) > _SEARCHED_CUTS:
         from src.strategies.pipeline_stages import balanced_starts
 
-        return tuple(balanced_starts(list(setting.costs(profile)), stages))
+        return tuple(balanced_starts(list(setting.costs(profile)), stages, [b.output for b in profile.blocks]))
 
     def window(starts: tuple[int, ...]) -> float:
         return _window(layout, *_stage_times(profile, layout, starts, batch, setting))[0]

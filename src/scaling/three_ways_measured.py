@@ -13,8 +13,8 @@ and the TCP counters):
        "step_ms": ..., "step_ratio": ..., "step_ratio_one_core": ..., "bubble": ... | null}]}
 
 `batch` is the global batch: every process of a pipeline or of a tensor-parallel group sees all of it, data
-parallelism splits it. A row's `cuts` of null is the forecast's own auto cut (the strategy's `auto` times the blocks
-and may cut elsewhere: give the cut it chose).
+parallelism splits it. A row's `cuts` of null is the forecast's own auto cut (the strategy's `auto` balances the
+blocks' multiply-adds and may cut elsewhere: give the cut it chose).
 """
 
 import json

@@ -27,7 +27,7 @@ from typing_extensions import override
 from src.layout import ParallelLayout
 from src.strategies.pipeline_net import (SCHEDULES, SEVERAL_PER_PROCESS, PipelinedNet, Placement, microbatches_for,
                                          stage_ranks)
-from src.strategies.pipeline_stages import (balanced_starts, block_seconds, check_chain, cut_starts, named_blocks,
+from src.strategies.pipeline_stages import (balanced_starts, block_macs, check_chain, cut_starts, named_blocks,
                                             stage_module, stage_names)
 from src.strategies.model_split import ModelSplitStrategy
 from src.strategies.processes import ProcessStart
@@ -39,8 +39,11 @@ class PipelineStrategy(ModelSplitStrategy):
     Args:
         cuts: The block each stage after the first begins with, by its name in the network (e.g. [classifier] or
             [features.3] for LeNet, [stages.2] for ResNet-18; `src.strategies.pipeline_stages.named_blocks`), one
-            fewer than the stages; or "auto": the cut that makes the slowest stage fastest by each block's forward
-            time, measured on rank 0 on the first batch's micro-batch.
+            fewer than the stages; or "auto": the cut that balances the blocks' forward multiply-adds, counted from
+            the layers' shapes at the first batch (`block_macs`: the forecast's measure of a block's compute),
+            the costliest stage as cheap as it can be, ties to the cut sending the fewest bytes, then the first
+            (`balanced_starts`). Counted, not timed, so the same network gets the same cut in every run (LeNet
+            [features.3], ResNet-18 [stages.2.0] in 2 stages).
         n_microbatches: Micro-batches each pipeline cuts its share of every global batch into (`data.batch_size` /
             `pipelines`, which they must divide: `check_microbatches`); an epoch's last, smaller batch and the
             evaluation batches take the largest number below it that divides their share.
@@ -111,7 +114,9 @@ class PipelineStrategy(ModelSplitStrategy):
             words, tag = f"{self.copies} pipelines of {words}", f"{tag}-x{self.copies}"
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
-                              model_parallel=self.copy_size, model_split=words, split_tag=tag)
+                              model_parallel=self.copy_size, model_split=words, split_tag=tag, columns=(
+                                  ("run/pipeline_schedule", self.schedule), ("run/micro_batches", self.n_microbatches),
+                                  ("run/pipeline_cut", None if self._starts is None else ", ".join(self.chosen_cuts))))
 
     def check_batch(self, batch: int | None) -> None:
         """Refuse a global batch of `batch` samples (None: unknown, nothing to check) whose per-pipeline share does
@@ -163,16 +168,16 @@ class PipelineStrategy(ModelSplitStrategy):
 
     def _plan(self, x: Tensor) -> tuple[list[tuple[int, nn.Module]], tuple[int, ...]]:
         """At the first batch x (B, ...) of this process: check that the network is a chain of its blocks, fix the
-        cut (rank 0's measure under `auto`) and free the other stages' tensors; this process's stages (index,
-        module) and the logits' shape after the batch dimension."""
+        cut (under `auto` by the blocks' multiply-adds, the same on every process) and free the other stages'
+        tensors; this process's stages (index, module) and the logits' shape after the batch dimension."""
         stages = self.copy_size * self.per_process
         if self._starts is None:
             self._blocks = named_blocks(self._net)
             example = x[: max(1, len(x) // self.n_microbatches)]
             self._outputs = tuple(check_chain(self._net, self._blocks, example).shape[1:])
             if self.cuts == "auto":
-                seconds = block_seconds(self._net, self._blocks, example) if self.global_rank == 0 else None
-                self._starts = self.broadcast(None if seconds is None else balanced_starts(seconds, stages))
+                macs, outputs = block_macs(self._net, self._blocks, example)
+                self._starts = balanced_starts(macs, stages, outputs)
             else:
                 self._starts = cut_starts(self._blocks, list(self.cuts), stages, self.per_process)
         if not self._freed:

@@ -1,4 +1,4 @@
-"""Where a network is cut into pipeline stages: its blocks in order, the cuts by name or balanced by measured time,
+"""Where a network is cut into pipeline stages: its blocks in order, the cuts by name or balanced by multiply-adds,
 and each stage's module. Pure torch: no process group here.
 
 A network can be pipelined when its forward is the chain of its children in the order they were registered (LeNet:
@@ -12,9 +12,7 @@ torch.distributed.pipelining's `PipelineStage`, which runs one such stage per pr
 (https://pytorch.org/docs/stable/distributed.pipelining.html).
 """
 
-import statistics
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,7 +42,7 @@ def named_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
 @contextmanager
 def _in_eval_mode(net: nn.Module) -> Iterator[None]:
     """Eval mode and no gradients, the modes restored after: BatchNorm neither updates its running statistics nor
-    uses the batch's, so a check or a timing leaves the model as it was."""
+    uses the batch's, so a check or a count leaves the model as it was."""
     modes = {m: m.training for m in net.modules()}
     net.eval()
     try:
@@ -105,54 +103,82 @@ def cut_starts(blocks: list[tuple[str, nn.Module]], cuts: list[str], stages: int
     return starts
 
 
-def balanced_starts(seconds: list[float], stages: int) -> list[int]:
-    """The cut that makes the slowest stage as fast as it can be: each stage a run of consecutive blocks, `seconds`
-    the blocks' forward times (an exact search over all cuts, by dynamic programming).
+def balanced_starts(costs: list[float], stages: int, outputs: list[float] | None = None) -> list[int]:
+    """The cut that makes the costliest stage as cheap as it can be: each stage a run of consecutive blocks, `costs`
+    the blocks' costs (e.g. their multiply-adds, `block_macs`); an exact search over all cuts, by dynamic
+    programming. Among the cuts that tie, the one that sends the fewest bytes between the stages, `outputs` being
+    each block's output (a cut before block k sends block k-1's); then the first found, so one network gives one cut.
 
     Raises:
         ValueError: Fewer blocks than stages.
     """
-    n = len(seconds)
+    n = len(costs)
     if n < stages:
         raise ValueError(f"pipeline: the network has {n} blocks, fewer than the {stages} stages asked for")
     prefix = [0.0]
-    for s in seconds:
-        prefix.append(prefix[-1] + s)
-    # best[j][i]: the slowest stage's time when the first i blocks form j stages; start[j][i]: where the last begins
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    worst, starts = _split(n, stages, lambda k, i, before: max(before, prefix[i] - prefix[k]))
+    if outputs is None:
+        return starts
+    # the same search again, now adding up the bytes sent, over the cuts whose every stage costs at most `worst`
+    return _split(n, stages, lambda k, i, before: before + (outputs[k - 1] if k else 0.0)
+                  if prefix[i] - prefix[k] <= worst else float("inf"))[1]
+
+
+def _split(n: int, stages: int, add: Callable[[int, int, float], float]) -> tuple[float, list[int]]:
+    """The least value of n blocks in `stages` runs, and each run's first block after the first: `add(k, i, before)`
+    is the value when blocks k .. i-1 form the last run and `before` is the best of the blocks before k (it must
+    not fall as `before` rises, so the best of the first k blocks is part of a best whole)."""
     inf = float("inf")
+    # best[j][i]: the value of the first i blocks as j runs; start[j][i]: where the last run begins
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     start = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for j in range(1, stages + 1):
         for i in range(j, n + 1):
             for k in range(j - 1, i):
-                worst = max(best[j - 1][k], prefix[i] - prefix[k])
-                if worst < best[j][i]:
-                    best[j][i], start[j][i] = worst, k
+                value = add(k, i, best[j - 1][k])
+                if value < best[j][i]:
+                    best[j][i], start[j][i] = value, k
     starts, i = [], n
     for j in range(stages, 0, -1):
         i = start[j][i]
         starts.append(i)
-    return sorted(starts)[1:]
+    return best[stages][n], sorted(starts)[1:]
 
 
-def block_seconds(net: nn.Module, blocks: list[tuple[str, nn.Module]], example: Tensor,
-                  repeats: int = 5) -> list[float]:
-    """Each block's forward time on `example` in seconds (the median of `repeats`, after one warm-up), in eval mode
-    and without gradients, so nothing in the model changes."""
-    seconds = []
+def layer_macs(layer: nn.Module, output: Tensor) -> float:
+    """One sample's multiply-adds in `layer`'s forward, given its output on a batch: a convolution's output elements
+    times the inputs each one sums, a dense layer's inputs times outputs, 0 for any other layer (the forecast counts
+    the same, `src.scaling.layer_profile`)."""
+    if isinstance(layer, nn.Conv2d):
+        return float(output[0].numel() * (layer.in_channels // layer.groups) * layer.kernel_size[0]
+                     * layer.kernel_size[1])
+    if isinstance(layer, nn.Linear):
+        return float(layer.in_features * layer.out_features)
+    return 0.0
+
+
+def block_macs(net: nn.Module, blocks: list[tuple[str, nn.Module]], example: Tensor) -> tuple[list[float], list[float]]:
+    """Each block's multiply-adds and output bytes, per sample, counted on a forward of `example` (in eval mode and
+    without gradients, so nothing in the model changes): what `auto` balances the stages by. They follow from the
+    layers' shapes alone, so every process, every run, finds the same."""
+    macs, outputs = [], []
     with _in_eval_mode(net):
         x = example
         for _, block in blocks:
-            block(x)
-            times = []
-            for _ in range(repeats):
-                tic = time.perf_counter()
-                y = block(x)
-                times.append(time.perf_counter() - tic)
-            seconds.append(statistics.median(times))
-            x = y
-    return seconds
+            found: list[float] = []
+            hooks = [m.register_forward_hook(lambda layer, _, out: found.append(layer_macs(layer, out)))
+                     for m in block.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+            try:
+                x = block(x)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            macs.append(sum(found))
+            outputs.append(float(x[0].numel() * x.element_size()))
+    return macs, outputs
 
 
 class _DenseBothWays(torch.autograd.Function):

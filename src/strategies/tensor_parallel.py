@@ -63,7 +63,8 @@ class TensorParallelStrategy(ModelSplitStrategy):
         devices = tuple(self.parallel_devices or [self.root_device])
         return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices,
                               "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
-                              model_parallel=shares, model_split=words, split_tag=tag)
+                              model_parallel=shares, model_split=words, split_tag=tag,
+                              columns=(("run/tensor_degree", shares),))
 
     @override
     def check_model(self, module: "pl.LightningModule", trainer: "pl.Trainer", example: torch.Tensor | None = None,
