@@ -20,7 +20,7 @@ the step, the shipped GPU config's epoch time, and a GPU recipe's accuracy over 
      GPU (random images of the same shape), no Lightning, no augmentation, no metrics, no checks, timed the
      same way.
    * **plain Lightning**: the bare loop's network, loss and optimizer in a LightningModule that does nothing
-     else, run by Lightning's Trainer with no logger, checkpoints or callbacks (`benchmarks.plain_lightning`):
+     else, run by Lightning's Trainer with no logger, checkpoints or callbacks (`benchmarks.host_work`):
      what Lightning's loop costs by itself, so that app / plain Lightning is what the application adds to it.
 
    One non-logging training step of each app run is watched with `torch.cuda.set_sync_debug_mode("warn")`, from
@@ -60,7 +60,7 @@ import torch
 import yaml
 from torch import nn
 
-from benchmarks.plain_lightning import plain_step, recipe_sgd, resident_batches
+from benchmarks.host_work import plain_step, recipe_sgd, resident_batches
 from benchmarks.strategy_step import data_dir
 from src.callbacks import EpochReport
 from src.cli import main as cli_main

@@ -9,7 +9,9 @@ on the device, so what shows here shows on a GPU too. Five rows, each ms per opt
 [warmup, warmup + timed), one intra-op thread, LeNet with the shipped recipe (configs/lenet.yaml), batches made once:
 
 - bare: forward, loss, backward and SGD step in a Python loop, one replica;
-- plain Lightning: the same network, loss and optimizer in a bare LightningModule (`benchmarks.plain_lightning`);
+- plain Lightning: the same network, loss and optimizer in a bare LightningModule with no logging, metrics, checks
+  or callbacks, run by Lightning's Trainer (`plain_step`: what Lightning's loop costs by itself, its closure, hook
+  dispatch and precision plugin);
 - the app: `python -m src.cli fit --config configs/lenet.yaml` in this process, on synthetic IDX files;
 - the seed loop: the d2l.ai "Training on Multiple GPUs" `train_batch` written plainly on 2 replicas: split the batch,
   forward each replica on its shard, one backward of the shards' weighted losses, add replica 1's gradients into
@@ -19,6 +21,8 @@ on the device, so what shows here shows on a GPU too. Five rows, each ms per opt
 Every round runs every row once per batch, in an order that rotates from round to round, and the table gives each
 row's median over the rounds, with two ratios: the app / plain Lightning, and what a second replica adds under
 ours ((ours 1 x 2 - the app) / (the seed loop - bare)). Machines here are shared: compare the ratios of one run.
+`benchmarks.gpu_speed` and `benchmarks.lenet_epoch` use the loops' shared parts: `recipe_sgd` (the optimizer of a
+config's recipe), `resident_batches` (random batches made once on the device) and `plain_step` (also on a GPU).
 """
 
 import argparse
@@ -37,8 +41,112 @@ import torch
 import yaml
 from torch import nn
 
-from benchmarks.plain_lightning import plain_step, recipe_sgd, resident_batches
 from src.models import LeNet, init_weights
+
+WARMUP, TIMED = 30, 100  # steps before the timed window, steps in it
+
+
+def recipe_sgd(net: nn.Module, recipe: dict, lr: float) -> torch.optim.SGD:
+    """SGD as `ImageClassifier.configure_optimizers` builds it: weight decay on weights, none on biases and
+    BatchNorm's affine parameters (ndim <= 1), the recipe's momentum and Nesterov flag, and torch's fused
+    implementation where the recipe sets `fused_optimizer` (so the loops compared with the app run its optimizer).
+
+    Args:
+        net: The network whose parameters are trained.
+        recipe: A config's model init_args (weight_decay, momentum, nesterov).
+        lr: The learning rate (constant: a schedule costs the loops nothing).
+    """
+    decay = [p for p in net.parameters() if p.ndim > 1]
+    no_decay = [p for p in net.parameters() if p.ndim <= 1]
+    return torch.optim.SGD([{"params": decay, "weight_decay": recipe["weight_decay"]},
+                            {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=recipe["momentum"],
+                           nesterov=recipe["nesterov"], fused=True if recipe.get("fused_optimizer") else None)
+
+
+def resident_batches(batch: int, device: torch.device | str, count: int = 8) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`count` random batches already on `device`: images x (batch, 1, 28, 28) float32 channels_last, and labels
+    (count, batch) int64 in [0, 10)."""
+    xs = [torch.randn(batch, 1, 28, 28, device=device).contiguous(memory_format=torch.channels_last)
+          for _ in range(count)]
+    return xs, torch.randint(0, 10, (count, batch), device=device)
+
+
+class _Plain(pl.LightningModule):
+    def __init__(self, net: nn.Module, recipe: dict, run: nn.Module) -> None:
+        super().__init__()
+        self.net, self.recipe, self.run = net, recipe, run
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe["label_smoothing"])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss_fn(self.run(x), y)
+
+    def configure_optimizers(self):
+        return recipe_sgd(self.net, self.recipe, lr=0.01)
+
+
+class _Batches:
+    """The batches as one iterable (Lightning reads a list as several dataloaders)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class _PlainWindow(pl.Callback):
+    """Seconds of steps [warmup, warmup + timed), the device drained at the two ends only."""
+
+    def __init__(self, device: torch.device, warmup: int, timed: int) -> None:
+        self.device, self.warmup, self.timed, self.seconds, self._t0 = device, warmup, timed, float("nan"), 0.0
+
+    def _drain(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup:
+            self._drain()
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup + self.timed:
+            self._drain()
+            self.seconds = time.perf_counter() - self._t0
+            trainer.should_stop = True
+
+
+def plain_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile_mode: str | None = None,
+               device: str = "cuda", warmup: int = WARMUP, timed: int = TIMED) -> float:
+    """ms per step of `net` trained by Lightning's Trainer with nothing but the loss and the optimizer, over steps
+    [warmup, warmup + timed).
+
+    Args:
+        net: The network, x (B, 1, 28, 28) -> logits (B, 10); moved to `device` and to channels_last.
+        recipe: The config's model init_args (momentum, nesterov, weight_decay, label_smoothing).
+        batch: Images per step; the batches are random, made once, already on the device.
+        precision: Lightning's precision ("32-true", "bf16-mixed", ...).
+        compile_mode: None for eager, else the `torch.compile` mode of the network, as the application's.
+        device: "cuda" or "cpu".
+    """
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    net = net.to(dev).to(memory_format=torch.channels_last)
+    run = net if compile_mode is None else torch.compile(net, mode=compile_mode, dynamic=False)
+    xs, ys = resident_batches(batch, dev)
+    steps = warmup + timed + 1
+    batches = [(xs[i % 8], ys[i % 8]) for i in range(steps)]
+    window = _PlainWindow(dev, warmup, timed)
+    trainer = pl.Trainer(accelerator="gpu" if dev.type == "cuda" else "cpu", devices=1, precision=precision,
+                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[window], num_sanity_val_steps=0)
+    trainer.fit(_Plain(net, recipe, run), train_dataloaders=_Batches(batches))
+    return window.seconds / timed * 1e3
+
 
 ROWS = ("bare", "plain Lightning", "the app", "seed loop, 2 replicas", "ours 1 x 2")
 
@@ -48,7 +156,7 @@ class Window(pl.Callback):
 
     The CLI builds it by class path, so its settings are class attributes (set by `app_step`)."""
 
-    WARMUP, TIMED = 30, 100
+    WARMUP, TIMED = WARMUP, TIMED
     seconds = float("nan")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -168,11 +276,8 @@ def measure(batches: list[int], rounds: int, warmup: int, timed: int, root: str)
 
 
 def _plain(recipe: dict, batch: int, warmup: int, timed: int) -> float:
-    import benchmarks.plain_lightning as plain
-
-    plain.WARMUP, plain.TIMED = warmup, timed
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return plain_step(_lenet(recipe), recipe, batch, "32-true", device="cpu")
+        return plain_step(_lenet(recipe), recipe, batch, "32-true", device="cpu", warmup=warmup, timed=timed)
 
 
 def table(times: dict[int, dict[str, list[float]]]) -> list[str]:

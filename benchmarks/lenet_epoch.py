@@ -110,7 +110,7 @@ def floor_loop() -> float:
     """The bare loop with configs/lenet.yaml's recipe over its 59,000 training images; returns images/s."""
     import yaml
 
-    from benchmarks.plain_lightning import recipe_sgd
+    from benchmarks.host_work import recipe_sgd
     from src.data.fashion_mnist import MEAN, STD, load_split
 
     config = yaml.safe_load(open("configs/lenet.yaml"))
