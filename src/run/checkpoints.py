@@ -278,3 +278,24 @@ def keep_saved_folders(callbacks: list, checkpoint: dict) -> None:
             saved = (states.get(callback.state_key) or {}).get("dirpath")
             if saved:
                 callback.dirpath = saved
+
+
+def optimizer_state_by_position(saved: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed as one device's: each parameter's state under its position in the groups'
+    parameter lists taken in turn, as `torch.optim.Optimizer.state_dict` numbers them.
+
+    `Optimizer.load_state_dict` pairs the saved numbers with the parameters through those lists, whatever the numbers
+    are; a strategy that loads the state by number must see one device's. Checkpoints of Lightning's FSDP number them
+    by `model.parameters()` order instead (its `rekey_optim_state_dict` is given the model only), with the lists
+    sorted: LeNet's groups [0, 2, 4, ...] (weights) and [1, 3, 5, ...] (biases) where one device has [0, 1, 2, 3]
+    and [4, ...]. A state dict in one device's order is returned as it is.
+    """
+    order = [i for group in saved["param_groups"] for i in group["params"]]
+    position = {i: n for n, i in enumerate(order)}
+    if all(position[i] == i for i in order):
+        return saved
+    groups, start = [], 0
+    for group in saved["param_groups"]:
+        groups.append({**group, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    return {**saved, "state": {position[i]: s for i, s in saved["state"].items()}, "param_groups": groups}

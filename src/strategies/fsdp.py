@@ -21,21 +21,42 @@ Sharding strategies (torch's `ShardingStrategy`; ZeRO stages as in Rajbhandari e
 """
 
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from src.layout import HeldBytes, ParallelLayout, default_backend, held_bytes
+from src.run.checkpoints import optimizer_state_by_position
 from src.run.cleanup import release_at_exit
 from src.strategies.comm.allreduce import nbytes
 
 # torch's sharding strategy -> the ZeRO stage it matches, for the run's layout, name and HPARAMS column
 ZERO_STAGE = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "HYBRID_SHARD": 3, "FULL_SHARD": 3}
+
+
+def in_memory_order(value: Any, stride: tuple[int, ...] | None) -> Any:
+    """A parameter's optimizer state (its logical shape) as torch's FSDP shards it right on load: a contiguous
+    tensor whose elements, read in order, are the state laid out with the parameter's `stride`.
+
+    FSDP flattens a parameter that is not contiguous (a conv weight in channels_last) in memory order, but on
+    load (`FSDP.optim_state_dict_to_load` with `use_orig_params`) it cuts each rank's share of the state from
+    `value.flatten()`, in logical order: every element of a channels_last conv weight's momentum would go to
+    another element (seen with torch 2.14). Other values (and contiguous parameters', or without a stride) pass
+    unchanged.
+    """
+    if stride is None or not torch.is_tensor(value) or value.dim() == 0 or value.dim() != len(stride) or \
+            torch.empty(value.shape, device="meta").stride() == tuple(stride):
+        return value
+    laid = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device)
+    laid.copy_(value)
+    return laid.as_strided((value.numel(),), (1,)).reshape(value.shape)
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -106,21 +127,65 @@ class CPUFSDPStrategy(FSDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole optimizer state on rank 0, keyed by parameter index as one device's (a collective); on the
-        CPU without offload."""
-        context = self._full_state_dict_on_cpu()
-        if context is None:
-            return super().optimizer_state(optimizer)
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import OptimStateKeyType
-
+        """The whole optimizer state on rank 0 in one device's format (a collective; on the CPU without offload):
+        each parameter's state under its position in the optimizer's groups, as `Optimizer.state_dict` numbers it.
+        Lightning's own numbers the states in `model.parameters()` order, which strategies that load by number
+        (tensor parallelism, ours with `zero_stage`) would give to other parameters."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        with context:
-            state = FSDP.optim_state_dict(self.model, optimizer)
-            if self.global_rank == 0:  # one device's format, as Lightning's own `optimizer_state` keys it
-                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        context = self._full_state_dict_on_cpu()
+        if context is None:
+            state = super().optimizer_state(optimizer)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import OptimStateKeyType
+
+            with context:
+                state = FSDP.optim_state_dict(self.model, optimizer)
+                if self.global_rank == 0:  # Lightning's numbering, as its own `optimizer_state` leaves it
+                    state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        if self._state_dict_type != "full" or self.global_rank != 0:
             return state
+        # torch's PARAM_ID numbering: the index in model.parameters(), the same parameters the optimizer holds
+        position = {p: n for n, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        number = {i: position[p] for i, p in enumerate(self.model.parameters()) if p in position}
+        groups = [{**saved, "params": [position[p] for p in group["params"]]}
+                  for saved, group in zip(state["param_groups"], optimizer.param_groups)]
+        return {"state": {number[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, except for a whole checkpoint (one file): its optimizer state is one device's (any
+        strategy's here), numbered by position in the optimizer's groups, and goes to the parameters at those
+        positions; Lightning's would give it to the parameters of those numbers in `model.parameters()` order.
+        Loads the module's weights too (Lightning's `load_model_state_dict` then does nothing)."""
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():  # a sharded checkpoint (state_dict_type: sharded): torch's own keys, Lightning's load
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import OptimStateKeyType, ShardingStrategy
+
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        saved = checkpoint.get("optimizer_states") if fitting else None
+        if saved is not None and len(saved) != len(self.optimizers):
+            raise RuntimeError(f"the checkpoint holds the state of {len(saved)} optimizers, the model configures "
+                               f"{len(self.optimizers)}")
+        # every rank loads the whole state and keeps its shards
+        with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+                                  FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+            self.model.load_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
+            sharded = getattr(self.model, "sharding_strategy", None) != ShardingStrategy.NO_SHARD
+            strides = {k: t.stride() for k, t in self.model.state_dict().items()} if saved and sharded else {}
+            for optimizer, state in zip(self.optimizers, saved or []):
+                state = FSDP.rekey_optim_state_dict(optimizer_state_by_position(state), OptimStateKeyType.PARAM_NAME,
+                                                    self.model, optim=optimizer)
+                state = {**state, "state": {k: {n: in_memory_order(v, strides.get(k)) for n, v in s.items()}
+                                            for k, s in state["state"].items()}}
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(self.model, optimizer, state))
+        return checkpoint
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes x 1 replica, torch's collectives between them, and the ZeRO stage its sharding matches."""

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from src.layout import HeldBytes
+from src.run.checkpoints import optimizer_state_by_position
 from src.run.lightning_compat import current_hook
 from src.strategies.comm.gradient_exchange import bucket_indices
 from src.strategies.comm.process_allreduce import ProcessPartition
@@ -113,6 +114,7 @@ class PartitionedOptimizer(Optimizer):
             ValueError: If the state dict has another number of param groups.
         """
         groups = self.partitions.source.param_groups
+        state_dict = optimizer_state_by_position(state_dict)  # each state under its parameter's position
         if len(state_dict["param_groups"]) != len(groups):
             raise ValueError(f"the state dict has {len(state_dict['param_groups'])} param groups, the optimizer "
                              f"{len(groups)}")

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from src.layout import ParallelLayout
+from src.run.checkpoints import optimizer_state_by_position
 from src.strategies.model_split import ModelSplitStrategy
 from src.strategies.processes import ProcessStart
 from src.strategies.tensor_plans import apply_plan, check_plan
@@ -129,8 +130,10 @@ class TensorParallelStrategy(ModelSplitStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """One device's optimizer state into the optimizer over the shares: each process takes its shares."""
+        """One device's optimizer state into the optimizer over the shares: each process takes its shares (the
+        state numbered by position in the groups, `optimizer_state_by_position`, to find each one's parameter)."""
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            saved = optimizer_state_by_position(saved)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             state = {i: {k: distribute_tensor(v, params[i].device_mesh, params[i].placements)
                          if isinstance(params[i], DTensor) and torch.is_tensor(v) and v.shape == params[i].shape
