@@ -113,6 +113,36 @@ def test_checkpoint_keys_unchanged_and_layers_reverted(tiny_data_dir, tmp_path):
     assert {type(m) for m in bns} == {nn.BatchNorm1d, nn.BatchNorm2d}
 
 
+class _HookedBNNet(_BNNet):
+    """_BNNet with a forward hook on each BatchNorm layer that counts the training calls of replica 0's layers."""
+
+    calls = 0
+
+    def build_net(self, num_classes: int) -> nn.Module:
+        net = super().build_net(num_classes)
+        self.plain_layers = [m for m in net if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        for bn in self.plain_layers:
+            bn.register_forward_hook(self._count)
+        return net
+
+    @classmethod
+    def _count(cls, module, args, output) -> None:
+        if module.training and module.weight.device.type == "cpu":
+            cls.calls += 1
+
+
+def test_the_users_layers_and_hooks_stay_under_sync_batchnorm(tiny_data_dir):
+    """The synchronised layers keep the user's hooks on the plain ones, and fit ends with the user's own layer
+    objects back in place, holding the trained running statistics (not new layers of the same values)."""
+    _HookedBNNet.calls = 0
+    model, trainer, snap = _ours(tiny_data_dir, 2, True, steps=2, model_cls=_HookedBNNet)
+    assert trainer.global_step == 2
+    assert _HookedBNNet.calls == 2 * 3 * 2  # 2 replicas (their hook dicts are deep copies), 3 layers, 2 steps
+    now = [m for m in model.net if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert all(a is b for a, b in zip(now, model.plain_layers)) and len(now) == 3
+    assert torch.equal(now[0].running_mean, snap.states[0]["net.1.running_mean"])
+
+
 def test_ddp_on_cpu_with_sync_batchnorm_is_refused(tiny_data_dir, tmp_path, capsys):
     code = run(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/ddp_cpu.yaml",
                 "--trainer.sync_batchnorm", "true", *fast_args(tiny_data_dir, tmp_path / "logs")])

@@ -209,7 +209,8 @@ class ReplicaSet:
         for replica in self.modules[1:]:
             replica.trainer = trainer
         self.devices = devices
-        self.sync_group = convert_(self.modules, across_processes) if sync_batchnorm else None
+        self.sync_group, self._plain_batchnorms = convert_(self.modules, across_processes) if sync_batchnorm else \
+            (None, [])
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
         self.watch: Replica0Watch | None = None  # what the flags and the exchange were built from
 
@@ -324,5 +325,6 @@ class ReplicaSet:
     def remove(self) -> None:
         """Make synchronised BatchNorm layers plain again (checkpoints and later stages see plain BatchNorm) and
         drop the other replicas."""
-        revert_(self.modules)
+        revert_(self._plain_batchnorms)
+        self._plain_batchnorms = []
         self.modules, self._metric_pairs, self.sync_group, self.watch = [], [], None, None

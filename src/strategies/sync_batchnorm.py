@@ -68,12 +68,18 @@ def _across_processes(parts: list[tuple[int, Tensor, Tensor]], device: torch.dev
     return total, mean, m2
 
 
+#: where nn.Module keeps a module's forward and backward hooks (torch/nn/modules/module.py, `Module.__init__`)
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
+
+
 class ReplicaSyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the whole global batch over all replicas.
 
-    A mixin: `convert_` swaps a BatchNorm1d/2d/3d's class for a subclass of this and of its own class, so the
-    module keeps its `weight`, `bias`, `running_mean`, `running_var` and `num_batches_tracked` under the same
-    names (state_dict keys do not change) and stays an instance of its BatchNorm class.
+    Made by `convert_` in a BatchNorm1d/2d/3d's place, as `torch.nn.SyncBatchNorm.convert_sync_batchnorm` replaces
+    modules: it holds the plain layer's own `weight`, `bias`, `running_mean`, `running_var` and
+    `num_batches_tracked` tensors under the same names (state_dict keys do not change, the optimizer keeps its
+    parameters, and the plain layer, put back by `revert_`, sees every update), its mode and its hooks.
 
     Forward in training, x of shape (n_k, C, *) in any float dtype: replica k computes its shard's count n_k,
     per-channel mean_k and M2_k = sum (x - mean_k)^2 (C,), in at least float32; after the rendezvous every replica
@@ -84,8 +90,19 @@ class ReplicaSyncBatchNorm(_BatchNorm):
     Outside a lockstep step (or with one participant, or in eval mode) it is the plain BatchNorm.
     """
 
-    _sync_group: SyncGroup
-    _sync_replica: int
+    def __init__(self, plain: _BatchNorm, group: SyncGroup, replica: int) -> None:
+        super().__init__(plain.num_features, plain.eps, plain.momentum, plain.affine, plain.track_running_stats,
+                         device="meta")  # no tensors of its own: the plain layer's are taken below
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            setattr(self, name, getattr(plain, name))
+        self.train(plain.training)
+        for table in _HOOK_TABLES:  # the user's hooks on the layer stay in force (the same dicts)
+            setattr(self, table, getattr(plain, table))
+        self.plain_class = type(plain)
+        self._sync_group, self._sync_replica = group, replica
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        self.plain_class._check_input_dim(self, x)  # the plain layer's check and message (e.g. "expected 4D input")
 
     @torch.compiler.disable  # the rendezvous is Python threading: keep it out of any compiled graph
     def forward(self, x: Tensor) -> Tensor:
@@ -137,41 +154,36 @@ class ReplicaSyncBatchNorm(_BatchNorm):
             self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
-_SYNC_CLASSES: dict[type, type] = {}
+#: (parent module, attribute name, the plain BatchNorm layer) of each layer `convert_` replaced
+Replaced = list[tuple[nn.Module, str, _BatchNorm]]
 
 
-def _sync_class(cls: type) -> type:
-    if cls not in _SYNC_CLASSES:
-        _SYNC_CLASSES[cls] = type(f"ReplicaSync{cls.__name__}", (ReplicaSyncBatchNorm, cls), {"_plain_class": cls})
-    return _SYNC_CLASSES[cls]
+def convert_(replicas: list[nn.Module], across_processes: bool = False) -> tuple[SyncGroup, Replaced]:
+    """Put a `ReplicaSyncBatchNorm` sharing one `SyncGroup` in place of every nn.BatchNorm1d/2d/3d of every replica.
 
-
-def convert_(replicas: list[nn.Module], across_processes: bool = False) -> SyncGroup:
-    """Make every nn.BatchNorm1d/2d/3d of every replica a `ReplicaSyncBatchNorm` sharing one `SyncGroup`.
-
-    In place: the modules keep their parameters, buffers and names (state_dict keys unchanged).
+    The new layers hold the plain ones' tensors under the same names (state_dict keys unchanged).
 
     Args:
         replicas: The K replicas, replica 0 first; replica k's layers take part as replica k.
         across_processes: Combine the statistics with the other processes of the default process group too.
 
     Returns:
-        The group; `lockstep_apply` opens a rendezvous in it for each training step.
+        The group (`lockstep_apply` opens a rendezvous in it for each training step) and what was replaced, for
+        `revert_`.
     """
-    group = SyncGroup(across_processes)
+    group, replaced = SyncGroup(across_processes), []
     for k, replica in enumerate(replicas):
-        for module in replica.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and type(module) in (
-                    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-                module.__class__ = _sync_class(type(module))
-                module._sync_group, module._sync_replica = group, k
-    return group
+        for parent in list(replica.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+                    setattr(parent, name, ReplicaSyncBatchNorm(child, group, k))
+                    replaced.append((parent, name, child))
+    return group, replaced
 
 
-def revert_(replicas: list[nn.Module]) -> None:
-    """Undo `convert_`: every synchronised layer becomes its plain BatchNorm class again (in place)."""
-    for replica in replicas:
-        for module in replica.modules():
-            if isinstance(module, ReplicaSyncBatchNorm):
-                module.__class__ = module._plain_class
-                del module._sync_group, module._sync_replica
+def revert_(replaced: Replaced) -> None:
+    """Undo `convert_`: each plain BatchNorm layer back in its place, holding every update the synchronised one made
+    (the same tensors), in the synchronised one's mode."""
+    for parent, name, plain in replaced:
+        plain.train(getattr(parent, name).training)
+        setattr(parent, name, plain)
