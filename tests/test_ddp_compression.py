@@ -142,7 +142,7 @@ def test_overlays_and_short_names_choose_the_compression(overlay, compression):
 def test_powersgd_on_the_cpu_survives_a_machine_with_cuda(monkeypatch):
     """torch's powerSGD_hook calls torch.cuda.synchronize(device) whenever CUDA is available, also for CPU buckets,
     which raises there: the shim makes that call a no-op for a CPU device and leaves every other call to torch."""
-    from src.strategies.ddp_compression import tolerate_cpu_in_cuda_synchronize
+    from src.run.lightning_compat import tolerate_cpu_in_cuda_synchronize
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))

@@ -1,6 +1,7 @@
-"""The few places where this project reaches into Lightning's private API, kept together.
+"""The few places where this project reaches into Lightning's or torch's private API, or changes one of their
+functions, kept together.
 
-Each function says why no public API serves. If a Lightning upgrade breaks one, this is the file to fix.
+Each function says why no public API serves. If a Lightning or torch upgrade breaks one, this is the file to fix.
 """
 
 import os
@@ -229,3 +230,29 @@ def run_first(trainer: "pl.Trainer", callback: "pl.Callback") -> None:
     that list, moving the current item to the front leaves the next item next."""
     trainer.callbacks.remove(callback)
     trainer.callbacks.insert(0, callback)
+
+
+def tolerate_cpu_in_cuda_synchronize() -> None:
+    """Make `torch.cuda.synchronize(<a CPU device>)` return at once instead of raising; every other call is torch's.
+
+    torch's `powerSGD_hook` ends each bucket with `torch.cuda.synchronize(device)` whenever CUDA is available, also
+    for a bucket on the CPU (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py, `decompress`), where
+    torch raises "Expected a cuda device, but got: cpu": DDP with PowerSGD over gloo would fail on every machine
+    that has a GPU. A CPU device has nothing to wait for. Installed once per process, by a CPU run of
+    `CompressedDDPStrategy` with PowerSGD on a machine with CUDA.
+
+    No public door: the call runs in the hook's future callback, after the hook has returned and maybe on another
+    thread, so no context around the hook can scope it. Upstream: pytorch/pytorch#196568 (open) moves the hook to
+    `torch.accelerator`.
+    """
+    original = torch.cuda.synchronize
+    if getattr(original, "tolerates_cpu", False):
+        return
+
+    def synchronize(device: Any = None) -> None:
+        if device is not None and torch.device(device).type == "cpu":
+            return None
+        return original(device)
+
+    synchronize.tolerates_cpu = True  # type: ignore[attr-defined]
+    torch.cuda.synchronize = synchronize

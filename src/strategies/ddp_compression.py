@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from src.layout import ParallelLayout, default_backend
+from src.run.lightning_compat import tolerate_cpu_in_cuda_synchronize
 from src.strategies.comm.compression import CompressionSpec
 
 # DDPStrategy arguments that choose a hook by hand; here `compression` chooses it
@@ -202,28 +203,6 @@ class CompressedDDPStrategy(DDPStrategy):
         self.bytes_uncompressed_total += uncompressed
         self._pending = [0, 0, 0]
         return out
-
-
-def tolerate_cpu_in_cuda_synchronize() -> None:
-    """Make `torch.cuda.synchronize(<a CPU device>)` return at once instead of raising; every other call is torch's.
-
-    torch's `powerSGD_hook` ends each bucket with `torch.cuda.synchronize(device)` whenever CUDA is available, also
-    for a bucket on the CPU (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py, `decompress`), where
-    torch raises "Expected a cuda device, but got: cpu": DDP with PowerSGD over gloo would fail on every machine
-    that has a GPU. A CPU device has nothing to wait for. Installed once per process, by a CPU run of
-    `CompressedDDPStrategy` with PowerSGD on a machine with CUDA.
-    """
-    original = torch.cuda.synchronize
-    if getattr(original, "tolerates_cpu", False):
-        return
-
-    def synchronize(device: Any = None) -> None:
-        if device is not None and torch.device(device).type == "cpu":
-            return None
-        return original(device)
-
-    synchronize.tolerates_cpu = True  # type: ignore[attr-defined]
-    torch.cuda.synchronize = synchronize
 
 
 # `trainer.strategy: ddp_bf16` / `ddp_powersgd` (DDP's defaults otherwise) work once this module is imported
