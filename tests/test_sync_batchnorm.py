@@ -116,7 +116,7 @@ def test_checkpoint_keys_unchanged_and_layers_reverted(tiny_data_dir, tmp_path):
 class _HookedBNNet(_BNNet):
     """_BNNet with a forward hook on each BatchNorm layer that counts the training calls of replica 0's layers."""
 
-    calls = 0
+    calls, kinds = 0, set()
 
     def build_net(self, num_classes: int) -> nn.Module:
         net = super().build_net(num_classes)
@@ -129,15 +129,19 @@ class _HookedBNNet(_BNNet):
     def _count(cls, module, args, output) -> None:
         if module.training and module.weight.device.type == "cpu":
             cls.calls += 1
+            kind = isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d))
+            cls.kinds.add((isinstance(module, ReplicaSyncBatchNorm), kind))
 
 
 def test_the_users_layers_and_hooks_stay_under_sync_batchnorm(tiny_data_dir):
-    """The synchronised layers keep the user's hooks on the plain ones, and fit ends with the user's own layer
-    objects back in place, holding the trained running statistics (not new layers of the same values)."""
-    _HookedBNNet.calls = 0
+    """The synchronised layers keep the user's hooks on the plain ones and their BatchNorm class (a model may tell
+    its layers apart by kind), and fit ends with the user's own layer objects back in place, holding the trained
+    running statistics (not new layers of the same values)."""
+    _HookedBNNet.calls, _HookedBNNet.kinds = 0, set()
     model, trainer, snap = _ours(tiny_data_dir, 2, True, steps=2, model_cls=_HookedBNNet)
     assert trainer.global_step == 2
     assert _HookedBNNet.calls == 2 * 3 * 2  # 2 replicas (their hook dicts are deep copies), 3 layers, 2 steps
+    assert _HookedBNNet.kinds == {(True, True)}  # synchronised, and still of the layer's own BatchNorm class
     now = [m for m in model.net if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     assert all(a is b for a, b in zip(now, model.plain_layers)) and len(now) == 3
     assert torch.equal(now[0].running_mean, snap.states[0]["net.1.running_mean"])

@@ -256,3 +256,22 @@ def tolerate_cpu_in_cuda_synchronize() -> None:
 
     synchronize.tolerates_cpu = True  # type: ignore[attr-defined]
     torch.cuda.synchronize = synchronize
+
+
+#: where nn.Module keeps a module's forward and backward hooks (torch/nn/modules/module.py, `Module.__init__`)
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def carry_hooks(source: torch.nn.Module, target: torch.nn.Module, share: bool = False) -> None:
+    """Give `target`, a module made to stand in for `source`, source's forward and backward hooks: the same hook
+    tables (`share`: a hook added to either is on both), else copies of them (hooks added to `target` later, e.g.
+    by torch's parallel styles, stay its own).
+
+    torch has no public way to list or move a module's hooks; its own module conversions
+    (`SyncBatchNorm.convert_sync_batchnorm`) drop them.
+    """
+    for table in _HOOK_TABLES:
+        hooks = getattr(source, table)
+        setattr(target, table, hooks if share else type(hooks)(hooks))
+    target._is_full_backward_hook = source._is_full_backward_hook

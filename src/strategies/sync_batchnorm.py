@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from src.run.lightning_compat import carry_hooks
 from src.strategies.lockstep import SyncGroup
 
 
@@ -68,18 +69,14 @@ def _across_processes(parts: list[tuple[int, Tensor, Tensor]], device: torch.dev
     return total, mean, m2
 
 
-#: where nn.Module keeps a module's forward and backward hooks (torch/nn/modules/module.py, `Module.__init__`)
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
-
-
 class ReplicaSyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the whole global batch over all replicas.
 
-    Made by `convert_` in a BatchNorm1d/2d/3d's place, as `torch.nn.SyncBatchNorm.convert_sync_batchnorm` replaces
-    modules: it holds the plain layer's own `weight`, `bias`, `running_mean`, `running_var` and
-    `num_batches_tracked` tensors under the same names (state_dict keys do not change, the optimizer keeps its
-    parameters, and the plain layer, put back by `revert_`, sees every update), its mode and its hooks.
+    Made by `convert_` in a BatchNorm1d/2d/3d's place (as `ReplicaSyncBatchNorm1d/2d/3d`, still of that class), as
+    `torch.nn.SyncBatchNorm.convert_sync_batchnorm` replaces modules: it holds the plain layer's own `weight`,
+    `bias`, `running_mean`, `running_var` and `num_batches_tracked` tensors under the same names (state_dict keys do
+    not change, the optimizer keeps its parameters, and the plain layer, put back by `revert_`, sees every update),
+    its mode and its hooks.
 
     Forward in training, x of shape (n_k, C, *) in any float dtype: replica k computes its shard's count n_k,
     per-channel mean_k and M2_k = sum (x - mean_k)^2 (C,), in at least float32; after the rendezvous every replica
@@ -96,13 +93,8 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
             setattr(self, name, getattr(plain, name))
         self.train(plain.training)
-        for table in _HOOK_TABLES:  # the user's hooks on the layer stay in force (the same dicts)
-            setattr(self, table, getattr(plain, table))
-        self.plain_class = type(plain)
+        carry_hooks(plain, self, share=True)  # the user's hooks on the layer stay in force
         self._sync_group, self._sync_replica = group, replica
-
-    def _check_input_dim(self, x: Tensor) -> None:
-        self.plain_class._check_input_dim(self, x)  # the plain layer's check and message (e.g. "expected 4D input")
 
     @torch.compiler.disable  # the rendezvous is Python threading: keep it out of any compiled graph
     def forward(self, x: Tensor) -> Tensor:
@@ -154,6 +146,21 @@ class ReplicaSyncBatchNorm(_BatchNorm):
             self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
+class ReplicaSyncBatchNorm1d(ReplicaSyncBatchNorm, nn.BatchNorm1d):
+    """`ReplicaSyncBatchNorm` in an nn.BatchNorm1d's place: still an nn.BatchNorm1d (its input check too)."""
+
+
+class ReplicaSyncBatchNorm2d(ReplicaSyncBatchNorm, nn.BatchNorm2d):
+    """`ReplicaSyncBatchNorm` in an nn.BatchNorm2d's place: still an nn.BatchNorm2d (its input check too)."""
+
+
+class ReplicaSyncBatchNorm3d(ReplicaSyncBatchNorm, nn.BatchNorm3d):
+    """`ReplicaSyncBatchNorm` in an nn.BatchNorm3d's place: still an nn.BatchNorm3d (its input check too)."""
+
+
+#: each plain BatchNorm class -> the synchronised layer that stands in for it
+_SYNCHRONISED = {nn.BatchNorm1d: ReplicaSyncBatchNorm1d, nn.BatchNorm2d: ReplicaSyncBatchNorm2d,
+                 nn.BatchNorm3d: ReplicaSyncBatchNorm3d}
 #: (parent module, attribute name, the plain BatchNorm layer) of each layer `convert_` replaced
 Replaced = list[tuple[nn.Module, str, _BatchNorm]]
 
@@ -175,8 +182,8 @@ def convert_(replicas: list[nn.Module], across_processes: bool = False) -> tuple
     for k, replica in enumerate(replicas):
         for parent in list(replica.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-                    setattr(parent, name, ReplicaSyncBatchNorm(child, group, k))
+                if type(child) in _SYNCHRONISED:
+                    setattr(parent, name, _SYNCHRONISED[type(child)](child, group, k))
                     replaced.append((parent, name, child))
     return group, replaced
 

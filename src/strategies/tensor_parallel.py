@@ -24,7 +24,7 @@ from src.layout import ParallelLayout
 from src.run.checkpoints import optimizer_state_by_position
 from src.strategies.model_split import ModelSplitStrategy
 from src.strategies.processes import ProcessStart
-from src.strategies.tensor_plans import apply_plan, check_plan
+from src.strategies.tensor_plans import Split, apply_plan, check_plan, make_whole
 
 
 def _whole(value: Any) -> Any:
@@ -53,7 +53,7 @@ class TensorParallelStrategy(ModelSplitStrategy):
     def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart()) -> None:
         super().__init__(replicas, "tp", "replicas", processes)
         self._tp_mesh: DeviceMesh | None = None  # the mesh of this process's copy
-        self._split: list[tuple[nn.Module, set, set]] = []  # (module, hooks the plan added: pre, post) while split
+        self._split: Split = []  # the layers the plan replaced, while split (`tensor_plans.apply_plan`)
 
     def parallel_layout(self) -> ParallelLayout:
         """P processes holding one model between them, each a share of every split layer."""
@@ -82,29 +82,13 @@ class TensorParallelStrategy(ModelSplitStrategy):
         made (it then holds the shares)."""
         if self._tp_mesh is None:
             self._tp_mesh = self.copy_mesh() or init_device_mesh(self.root_device.type, (self.world_size,))
-        net = model.net
-        before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in net.modules()}
-        apply_plan(net, self._tp_mesh)
-        self._split = [(m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)
-                       for m, (pre, post) in before.items()]
+        self._split = apply_plan(model.net, self._tp_mesh)
         return model
 
     def make_whole(self) -> None:
-        """Every split layer whole again on every process (parameters, buffers, its own forward), so that after a
+        """Every split layer whole again on every process, in its place (`tensor_plans.make_whole`), so that after a
         run the module is one device's, as the launchers and the user's code after `fit` read it."""
-        for module, pre, post in self._split:
-            for name, p in list(module._parameters.items()):
-                if isinstance(p, DTensor):
-                    setattr(module, name, nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad))
-            for name, b in list(module._buffers.items()):
-                if isinstance(b, DTensor):
-                    module._buffers[name] = b.full_tensor()
-            module.__dict__.pop("forward", None)  # the plan's forward, put on the instance
-            module.__dict__.pop("_distribute_module_applied", None)  # torch's mark: a later stage splits it again
-            for key in pre:
-                module._forward_pre_hooks.pop(key, None)
-            for key in post:
-                module._forward_hooks.pop(key, None)
+        make_whole(self._split)
         self._split = []
 
     # ---- checkpoints in one device's format -------------------------------------------------------------------
