@@ -3,7 +3,8 @@
 Callbacks, the run logger, the launch checks and the DataModule read a `ParallelLayout` instead of probing the
 strategy for attributes. It stands below everything that reads it: Lightning's single-device and DDP strategies are
 described here, and a strategy of this tool describes itself through its `parallel_layout()` method, so this module
-imports no strategy of ours (the strategies import it).
+imports no strategy of ours (the strategies import it). So do a strategy's counters of its last step: the callbacks
+read `step_counters(strategy)`, a `StepCounters`, which each strategy that counts returns for itself.
 """
 
 from collections.abc import Callable
@@ -175,6 +176,58 @@ class SplitsByWeight(Protocol):
     is one)."""
 
     split_weights: list[float] | str | None
+
+
+# the two tags of the gradient exchange's bytes, ours' and `CompressedDDPStrategy`'s
+SENT, UNCOMPRESSED = "comm/bytes_sent_per_device_max", "comm/bytes_uncompressed_per_device_max"
+
+
+class StepCounters:
+    """What a strategy measured in its last optimizer step, as `src.callbacks.strategy_metrics.StrategyMetrics` logs
+    it: a strategy that counts returns its own from `step_counters()` (`SplitAllreduceStrategy`,
+    `CompressedDDPStrategy`); this base is what every other strategy has: nothing. Each figure is computed when asked
+    for, so that the callback reads the costly ones at logging steps only."""
+
+    #: whether `partitioned_memory` and `fixed_split` may give anything in this fit: plain flags, read at every
+    #: step, so that a run without either calls no counter between its logging steps
+    memory_once = split_once = False
+
+    def __init__(self, strategy: "pl.strategies.Strategy | None" = None) -> None:
+        self.strategy = strategy  # the strategy whose counters a subclass reads
+
+    def per_step_tags(self) -> list[str]:
+        """The tags `scalars` gives at every logging step under this strategy and its options."""
+        return []
+
+    def scalars(self) -> dict[str, float]:
+        """The last optimizer step's measures as TensorBoard scalars (tag -> value); empty before a step."""
+        return {}
+
+    def compression_bytes(self) -> tuple[str, int, int] | None:
+        """(the compression in words, bytes sent, bytes uncompressed) of the last optimizer step under gradient
+        compression; None without compression or before a step."""
+        return None
+
+    def partitioned_memory(self) -> list[HeldBytes]:
+        """With `zero_stage`, what each replica of this process holds (`HeldBytes`); [] without, or before a step."""
+        return []
+
+    def fixed_split(self) -> tuple[list[float], list[tuple[str, float]]] | None:
+        """Once `split_weights: auto` has fixed the shares: (the weights, each replica's device and measured forward
+        images/s); None before that."""
+        return None
+
+
+@runtime_checkable
+class CountsSteps(Protocol):
+    """A strategy with counters of its own (`StepCounters`)."""
+
+    def step_counters(self) -> StepCounters: ...
+
+
+def step_counters(strategy: "pl.strategies.Strategy | None") -> StepCounters:
+    """What `strategy` measured in its last step: its own `step_counters()`, or none (Lightning's strategies)."""
+    return strategy.step_counters() if isinstance(strategy, CountsSteps) else StepCounters()
 
 
 def parallel_layout(strategy: "pl.strategies.Strategy") -> ParallelLayout:

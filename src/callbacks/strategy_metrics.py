@@ -3,9 +3,8 @@
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
-from src.layout import HeldBytes, ParallelLayout, parallel_layout
+from src.layout import HeldBytes, ParallelLayout, StepCounters, parallel_layout, step_counters
 from src.run.lightning_compat import logging_step, should_update_logs
-from src.strategies.measures import compression_bytes, fixed_split, held, per_step_tags, step_scalars
 
 
 class StrategyMetrics(pl.Callback):
@@ -28,12 +27,12 @@ class StrategyMetrics(pl.Callback):
         self._split_logged = False
         self._memory_printed = False
         self._last_step = -1
-        self._strategy = None
+        self._counters = StepCounters()  # the strategy's, from setup on
 
     def epoch_words(self, epoch: int) -> str:
         """For the epoch line, under compression: ", PowerSGD rank 2 sends 13,992 of 516,272 bytes per step"
         (the busiest device's bytes in the last step, and what it would send uncompressed); "" otherwise."""
-        found = compression_bytes(self._strategy)
+        found = self._counters.compression_bytes()
         if found is None:
             return ""
         name, sent, uncompressed = found
@@ -42,10 +41,10 @@ class StrategyMetrics(pl.Callback):
     def per_step_tags(self, trainer: "pl.Trainer") -> list[str]:
         """The tags this callback writes at logging steps only, under the run's strategy and options (the short-run
         notice names them, `src.run.log_steps.interval_note`)."""
-        return per_step_tags(trainer.strategy)
+        return step_counters(trainer.strategy).per_step_tags()
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._strategy = trainer.strategy
+        self._counters = step_counters(trainer.strategy)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs, batch,
                            batch_idx: int) -> None:
@@ -53,15 +52,15 @@ class StrategyMetrics(pl.Callback):
         if not trainer.loggers or trainer.global_step == self._last_step:
             return  # nothing to log to, or no optimizer step in this batch (gradient accumulation)
         self._last_step = trainer.global_step
-        # the strategy's own counters are read at logging steps only (`src.strategies.measures`); between them
-        # two plain attributes say whether there is something to print once
-        metrics = step_scalars(strategy) if should_update_logs(trainer) else {}
-        if getattr(strategy, "zero_stage", 0) and not self._memory_printed and (rows := held(strategy)):
+        # the strategy's scalars are read at logging steps only, and what it prints once only where it can
+        counters = self._counters
+        metrics = counters.scalars() if should_update_logs(trainer) else {}
+        if counters.memory_once and not self._memory_printed and (rows := counters.partitioned_memory()):
             self._memory_printed = True
             rank_zero_info(_memory_line(parallel_layout(strategy), rows))
-        if getattr(strategy, "split_fixed_at_step", None) is not None and not self._split_logged:
+        if counters.split_once and not self._split_logged and (split := counters.fixed_split()) is not None:
             self._split_logged = True
-            weights, rates = fixed_split(strategy)
+            weights, rates = split
             metrics.update({f"split/weight_replica_{k}": w for k, w in enumerate(weights)})
             rank_zero_info(f"split_allreduce: auto split fixed at {[round(w, 3) for w in weights]} of each global "
                            f"batch (forward throughput {', '.join(f'{d}: {r:,.0f} images/s' for d, r in rates)})")

@@ -17,7 +17,7 @@ import json
 import time
 from functools import cache
 
-from src.scaling.layer_profile import built_module
+from src.scaling.model_counts import built_module
 
 
 class _Stamp:
@@ -54,7 +54,7 @@ def _timed(class_path: str, init_args_json: str, samples: int, threads: int, rep
 
     from src.strategies.pipeline_stages import named_blocks
 
-    module = built_module(class_path, init_args_json)
+    module = built_module(class_path, json.loads(init_args_json))
     blocks = [block for _, block in named_blocks(module.net.train())]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

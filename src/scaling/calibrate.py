@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from src.scaling.cost_fit import fit_alpha_beta, fit_line, relative_errors
+from src.scaling.model_counts import built_module
 from src.scaling.sources import load_calibration
 
 # Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a
@@ -100,8 +101,6 @@ def measure_allreduce(processes: list[int], repeats: int) -> list[dict]:
 
 def _timed_steps(class_path: str, init_args: dict, batch: int, steps: int, root: str) -> list[float]:
     """Seconds between consecutive training-batch ends of `steps` steps (the first two dropped)."""
-    import importlib
-
     import lightning.pytorch as pl
 
     from src.data.fashion_mnist import FashionMNISTDataModule
@@ -113,8 +112,7 @@ def _timed_steps(class_path: str, init_args: dict, batch: int, steps: int, root:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(time.perf_counter())
 
-    module_name, _, cls_name = class_path.rpartition(".")
-    model = getattr(importlib.import_module(module_name), cls_name)(**init_args)
+    model = built_module(class_path, init_args)
     timer = Intervals()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -8,11 +8,11 @@ plans do; `tests/test_forecast_three_ways.py` checks the two agree, share for sh
 The model files are not changed and nothing is trained: the model is built, run on two random batches, dropped.
 """
 
-import importlib
 import json
 import re
 from functools import cache
 
+from src.scaling.model_counts import built_module
 from src.scaling.net_profile import (CLOSES_SPLIT, OPENS_SPLIT, SPLIT_PARAMETERS, Block, Exchange, NetProfile, Param,
                                      Saved)
 
@@ -130,19 +130,11 @@ def _layer_hook(rec: _Recorder, name: str, kind: str | None):
     return hook
 
 
-def built_module(class_path: str, init_args_json: str):
-    """The LightningModule `class_path` (e.g. src.models.classifier.LeNetClassifier) built with the keyword
-    arguments in `init_args_json` (a JSON object). Raises ImportError or AttributeError for a path that names no
-    importable class."""
-    module_name, _, cls_name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module_name), cls_name)(**json.loads(init_args_json))
-
-
 @cache
 def _profile(class_path: str, init_args_json: str) -> NetProfile:
     from src.strategies.pipeline_stages import named_blocks
 
-    module = built_module(class_path, init_args_json)
+    module = built_module(class_path, json.loads(init_args_json))
     cls_name, net = type(module).__name__, module.net.train()
     blocks = named_blocks(net)
     layers = split_layers(net)

@@ -1,7 +1,7 @@
 """What the scaling predictor counts from the experiment's network: gradient bytes, FLOPs per image, buckets.
 
 The network is built (on the CPU, one 28x28 image through it), so this module imports torch and the model's
-module, but only when `inspect_network` is called.
+module, but only when `inspect_network` or `built_module` is called.
 """
 
 import importlib
@@ -58,6 +58,13 @@ def custom_network(parameters: int, grad_bytes: int = 4, bucket_bytes: int = DDP
                    (f"{grad_bytes}-byte",))
 
 
+def built_module(class_path: str, init_args: dict | None = None):
+    """The LightningModule `class_path` (e.g. src.models.classifier.LeNetClassifier) built with the keyword
+    arguments `init_args`. Raises ImportError or AttributeError for a path that names no importable class."""
+    module_name, _, cls_name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), cls_name)(**(init_args or {}))
+
+
 def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
     """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
 
@@ -79,22 +86,15 @@ def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes
     from torch import nn
 
     from src.strategies.comm.gradient_exchange import bucket_indices
+    from src.strategies.pipeline_stages import layer_macs  # the count the pipeline's `auto` cut balances
 
-    module_name, _, cls_name = class_path.rpartition(".")
-    module = getattr(importlib.import_module(module_name), cls_name)(**(init_args or {}))
-    net = getattr(module, "net", module)
+    module = built_module(class_path, init_args)
+    cls_name, net = type(module).__name__, getattr(module, "net", module)
     params = [p for p in net.parameters() if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in params]
-    macs = [0]
-
-    def hook(layer, inputs, output):
-        if isinstance(layer, nn.Conv2d):
-            k = layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
-            macs[0] += output[0].numel() * k
-        else:
-            macs[0] += layer.in_features * layer.out_features
-
-    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    macs: list[float] = []
+    handles = [m.register_forward_hook(lambda layer, _, output: macs.append(layer_macs(layer, output)))
+               for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     with torch.no_grad():
         net.eval()(torch.zeros(1, 1, 28, 28, dtype=next(net.parameters()).dtype))
     for h in handles:
@@ -103,7 +103,7 @@ def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes
     # the first layer's gradient is the last one backward produces: its bucket can only be sent after backward
     last = next(bucket for bucket in buckets if 0 in bucket)
     dtypes = tuple(dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params))
-    return Network(cls_name, sum(p.numel() for p in params), sum(sizes), 3 * 2 * macs[0],
+    return Network(cls_name, sum(p.numel() for p in params), sum(sizes), 3 * 2 * sum(macs),
                    sum(sizes[i] for i in last) / sum(sizes), len(buckets), dtypes,
                    tuple(tuple(p.shape) for p in params))
 

@@ -43,6 +43,7 @@ from src.scaling.three_ways import Setting
 from src.scaling.three_ways_section import (Ways, forecast_ways, markdown_section as ways_section, table_lines,
                                             write_csv as write_layouts)
 from src.scaling.version_folders import next_version
+from src.strategies.comm.exchange_names import COMPRESSIONS
 
 Algorithm = Literal[ALGORITHMS]
 TRAIN_IMAGES = 60_000  # Fashion-MNIST's training set, before the validation hold-out
@@ -112,7 +113,7 @@ class Question(Ways):
     grad_bytes: int = 4
     precision: Literal[PRECISIONS] | None = None
     nodes: int | None = None
-    compression: Literal["none", "bf16", "powersgd"] = "none"
+    compression: Literal[COMPRESSIONS] = "none"
     powersgd_rank: int = 2
     min_compression_rate: float = 2.0
     compression_ratio: float | None = None

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from src.layout import ParallelLayout, default_backend
+from src.layout import SENT, UNCOMPRESSED, ParallelLayout, StepCounters, default_backend
 from src.run.lightning_compat import tolerate_cpu_in_cuda_synchronize
 from src.strategies.comm.compression import CompressionSpec
 
@@ -144,6 +144,10 @@ class CompressedDDPStrategy(DDPStrategy):
                               "torch" if p > 1 else "none", backend if p > 1 else None,
                               compression=self.compression.tag)
 
+    def step_counters(self) -> StepCounters:
+        """The bytes its hook counted in the last optimizer step, for the callbacks (`src.layout.StepCounters`)."""
+        return _HookCounts(self)
+
     @override
     def configure_ddp(self) -> None:
         """Wrap the model in DDP as Lightning does, then register the chosen hook on any device."""
@@ -203,6 +207,25 @@ class CompressedDDPStrategy(DDPStrategy):
         self.bytes_uncompressed_total += uncompressed
         self._pending = [0, 0, 0]
         return out
+
+
+class _HookCounts(StepCounters):
+    """`CompressedDDPStrategy`'s counters: under a compression, the bytes its hook handed to allreduce in the last
+    optimizer step and the bytes of the buckets, as the two `comm/bytes_*` scalars and for the epoch line."""
+
+    def per_step_tags(self) -> list[str]:
+        return [SENT, UNCOMPRESSED] if self.strategy.compression.kind != "none" else []
+
+    def scalars(self) -> dict[str, float]:
+        found = self.compression_bytes()
+        return {SENT: float(found[1]), UNCOMPRESSED: float(found[2])} if found is not None else {}
+
+    def compression_bytes(self) -> tuple[str, int, int] | None:
+        strategy, spec = self.strategy, self.strategy.compression
+        if spec.kind == "none" or not strategy.bytes_uncompressed_last_step:
+            return None
+        words = f"PowerSGD rank {spec.rank}" if spec.kind == "powersgd" else "bf16"
+        return words, strategy.bytes_sent_last_step, strategy.bytes_uncompressed_last_step
 
 
 # `trainer.strategy: ddp_bf16` / `ddp_powersgd` (DDP's defaults otherwise) work once this module is imported

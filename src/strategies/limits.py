@@ -1,4 +1,5 @@
-"""What `split_allreduce` cannot do, refused before training with a message that names the fix."""
+"""What `split_allreduce` cannot do, refused before training with a message that names the fix; and the two refusals
+the split ways share with it (`refuse_manual_optimization`, `refuse_gradient_scaler`)."""
 
 import lightning.pytorch as pl
 import torch
@@ -84,13 +85,24 @@ def check_trainer_setup(trainer: "pl.Trainer", precision: "pl.plugins.Precision"
     Raises:
         RuntimeError: Naming the setting and what to use instead.
     """
-    if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
-        raise RuntimeError("split_allreduce supports automatic optimization only: with manual optimization "
-                           "every replica would step the optimizer itself. Set automatic_optimization=True.")
-    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-        raise RuntimeError("split_allreduce does not support fp16 with a gradient scaler; use precision: "
-                           "bf16-mixed or 32-true")
+    refuse_manual_optimization("split_allreduce", trainer.lightning_module, trainer.state.fn == TrainerFn.FITTING,
+                               ": with manual optimization every replica would step the optimizer itself")
+    refuse_gradient_scaler("split_allreduce", precision, "; use precision: bf16-mixed or 32-true")
     if sync_batchnorm and split_weights == "auto":
         raise RuntimeError("split_allreduce cannot time its replicas for split_weights: auto with "
                            "trainer.sync_batchnorm: true (synchronised replicas wait for each other at every "
                            "BatchNorm layer); give split_weights as numbers or leave them equal")
+
+
+def refuse_manual_optimization(way: str, module: "pl.LightningModule", fitting: bool, why: str = "") -> None:
+    """Raises RuntimeError for a module that optimizes by hand in a fit: the strategy `way` steps the optimizer
+    itself; `why` (", ..." or ": ...") follows "supports automatic optimization only" in the message."""
+    if fitting and not module.automatic_optimization:
+        raise RuntimeError(f"{way} supports automatic optimization only{why}. Set automatic_optimization=True.")
+
+
+def refuse_gradient_scaler(way: str, precision: "pl.plugins.Precision", what_to_do: str) -> None:
+    """Raises RuntimeError for fp16 with a gradient scaler, which the strategy `way` cannot run; `what_to_do`
+    (the precisions to use instead) ends the message."""
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise RuntimeError(f"{way} does not support fp16 with a gradient scaler{what_to_do}")

@@ -1,92 +1,71 @@
-"""What the strategies of this tool measured in their last step, as callbacks log it: the one place that knows each
-strategy's counters (ours' gradient exchange, `CompressedDDPStrategy`'s hook counts), so that callbacks and the CLI
-name no strategy class. The strategies compute; `src.callbacks.strategy_metrics.StrategyMetrics` logs.
+"""What `split_allreduce` measured in its last step, as the callbacks log it (`SplitAllreduceStrategy.step_counters`):
+the bytes of its gradient exchange, the buckets reduced in backward, each replica's gradient norm, the model state
+each replica holds and the shares `auto` fixed. The strategy computes; `src.callbacks.strategy_metrics` logs.
 """
 
 from typing import Any
 
-from src.layout import HeldBytes
-from src.strategies.ddp_compression import CompressedDDPStrategy
-from src.strategies.split_allreduce import SplitAllreduceStrategy
+from src.layout import SENT, UNCOMPRESSED, HeldBytes, StepCounters
 
-SENT, UNCOMPRESSED = "comm/bytes_sent_per_device_max", "comm/bytes_uncompressed_per_device_max"
 IN_BACKWARD = "comm/buckets_reduced_in_backward"
 MEMORY_TAGS = ("memory/parameters_bytes", "memory/gradients_peak_bytes", "memory/optimizer_state_bytes")
 
 
-def optimizer_steps(strategy: Any) -> int | None:
-    """The optimizer steps the strategy has taken (ours counts them; None for a strategy that measures nothing)."""
-    return strategy.optimizer_steps if isinstance(strategy, SplitAllreduceStrategy) else None
+class SplitAllreduceCounters(StepCounters):
+    """`SplitAllreduceStrategy`'s counters (`src.layout.StepCounters`), read from the strategy when asked for."""
 
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.memory_once, self.split_once = bool(strategy.zero_stage), strategy.split_weights == "auto"
 
-def per_step_tags(strategy: Any) -> list[str]:
-    """The tags `step_scalars` gives at every logging step under this strategy and its options: `comm/*`,
-    `grad_norm/replica_<k>` and `memory/*` under ours with several replicas, the two `comm/bytes_*` under DDP with a
-    compression hook; none under other strategies."""
-    if isinstance(strategy, CompressedDDPStrategy):
-        return [SENT, UNCOMPRESSED] if strategy.compression.kind != "none" else []
-    if not isinstance(strategy, SplitAllreduceStrategy) or not strategy.data_parallel:
-        return []
-    compressed = strategy.parallel_layout().compression != "none"
-    return [SENT, *([UNCOMPRESSED] if compressed else []), *([IN_BACKWARD] if strategy.overlap else []),
-            *([f"grad_norm/replica_{k}" for k in range(strategy.replicas_per_process)]
-              if strategy.log_grad_norms else []), *MEMORY_TAGS]
+    def per_step_tags(self) -> list[str]:
+        """`comm/*`, `grad_norm/replica_<k>` and `memory/*` with several replicas, each as its options have it."""
+        strategy = self.strategy
+        if not strategy.data_parallel:
+            return []
+        compressed = strategy.parallel_layout().compression != "none"
+        return [SENT, *([UNCOMPRESSED] if compressed else []), *([IN_BACKWARD] if strategy.overlap else []),
+                *([f"grad_norm/replica_{k}" for k in range(strategy.replicas_per_process)]
+                  if strategy.log_grad_norms else []), *MEMORY_TAGS]
 
+    def scalars(self) -> dict[str, float]:
+        """Bytes the busiest device sent (and would have sent uncompressed), buckets reduced during backward, each
+        replica's gradient norm before the exchange, and the largest replica's model-state bytes."""
+        exchange, scalars = self.strategy.exchange, {}
+        if exchange is not None and exchange.bytes_sent:
+            scalars[SENT] = float(max(exchange.bytes_sent))
+            if exchange.compression is not None:
+                scalars[UNCOMPRESSED] = float(max(exchange.bytes_uncompressed))
+        if exchange is not None and exchange.reduced_in_backward is not None:
+            scalars[IN_BACKWARD] = float(exchange.reduced_in_backward)
+        for k, norm in enumerate(exchange.grad_norms if exchange is not None else []):
+            scalars[f"grad_norm/replica_{k}"] = norm
+        rows = self.strategy.model_state_bytes()
+        if rows:
+            keys = ("parameters", "gradients", "optimizer_state")
+            scalars.update({tag: float(max(r[key] for r in rows)) for tag, key in zip(MEMORY_TAGS, keys)})
+        return scalars
 
-def step_scalars(strategy: Any) -> dict[str, float]:
-    """The last optimizer step's measures as TensorBoard scalars (tag -> value): bytes the busiest device sent (and
-    would have sent uncompressed), buckets reduced during backward, each replica's gradient norm before the exchange,
-    and the largest replica's model-state bytes (`held`). Empty before a step and under other strategies."""
-    if isinstance(strategy, CompressedDDPStrategy):
-        found = compression_bytes(strategy)
-        return {SENT: float(found[1]), UNCOMPRESSED: float(found[2])} if found is not None else {}
-    if not isinstance(strategy, SplitAllreduceStrategy):
-        return {}
-    exchange, scalars = strategy.exchange, {}
-    if exchange is not None and exchange.bytes_sent:
-        scalars[SENT] = float(max(exchange.bytes_sent))
-        if exchange.compression is not None:
-            scalars[UNCOMPRESSED] = float(max(exchange.bytes_uncompressed))
-    if exchange is not None and exchange.reduced_in_backward is not None:
-        scalars[IN_BACKWARD] = float(exchange.reduced_in_backward)
-    for k, norm in enumerate(exchange.grad_norms if exchange is not None else []):
-        scalars[f"grad_norm/replica_{k}"] = norm
-    rows = held(strategy)
-    if rows:
-        keys = ("parameters", "gradients", "optimizer_state")
-        scalars.update({tag: float(max(r[key] for r in rows)) for tag, key in zip(MEMORY_TAGS, keys)})
-    return scalars
-
-
-def held(strategy: Any) -> list[HeldBytes]:
-    """What each replica of this process holds (`model_state_bytes`), for a strategy that counts it; else []."""
-    count = getattr(strategy, "model_state_bytes", None)
-    return count() if callable(count) else []
-
-
-def compression_bytes(strategy: Any) -> tuple[str, int, int] | None:
-    """(the compression in words, bytes sent, bytes uncompressed) of the last optimizer step under gradient
-    compression, ours or `CompressedDDPStrategy`'s; None without compression or before a step."""
-    if isinstance(strategy, CompressedDDPStrategy):
-        spec = strategy.compression
-        if spec.kind == "none" or not strategy.bytes_uncompressed_last_step:
+    def compression_bytes(self) -> tuple[str, int, int] | None:
+        """The compression between processes in words ("PowerSGD rank 2 (warm-up: exact)", "bf16") and the busiest
+        device's bytes."""
+        exchange = self.strategy.exchange
+        compression = exchange.compression if exchange is not None else None
+        if compression is None or not exchange.bytes_sent:
             return None
-        words = f"PowerSGD rank {spec.rank}" if spec.kind == "powersgd" else "bf16"
-        return words, strategy.bytes_sent_last_step, strategy.bytes_uncompressed_last_step
-    exchange = strategy.exchange if isinstance(strategy, SplitAllreduceStrategy) else None
-    compression = exchange.compression if exchange is not None else None
-    if compression is None or not exchange.bytes_sent:
-        return None
-    words = f"PowerSGD rank {compression.rank}" if compression.name == "powersgd" else compression.name
-    if compression.name == "powersgd" and not compression.compressing:
-        words += " (warm-up: exact)"
-    return words, max(exchange.bytes_sent), max(exchange.bytes_uncompressed)
+        words = f"PowerSGD rank {compression.rank}" if compression.name == "powersgd" else compression.name
+        if compression.name == "powersgd" and not compression.compressing:
+            words += " (warm-up: exact)"
+        return words, max(exchange.bytes_sent), max(exchange.bytes_uncompressed)
 
+    def partitioned_memory(self) -> list[HeldBytes]:
+        """Each replica's `model_state_bytes` with `zero_stage`."""
+        return self.strategy.model_state_bytes() if self.memory_once else []
 
-def fixed_split(strategy: Any) -> tuple[list[float], list[tuple[str, float]]] | None:
-    """Once `split_weights: auto` has fixed the shares: (the weights, each replica's device and measured forward
-    images/s); None before that and under other strategies."""
-    if not isinstance(strategy, SplitAllreduceStrategy) or strategy.split_fixed_at_step is None:
-        return None
-    return list(strategy.split_weights), [(str(d), r) for d, r in zip(strategy.replica_devices,
-                                                                      strategy.auto_split.median_rates())]
+    def fixed_split(self) -> tuple[list[float], list[tuple[str, float]]] | None:
+        """The weights `auto` fixed and each replica's measured rate."""
+        strategy = self.strategy
+        if strategy.split_fixed_at_step is None:
+            return None
+        return list(strategy.split_weights), [(str(d), r) for d, r in zip(strategy.replica_devices,
+                                                                          strategy.auto_split.median_rates())]

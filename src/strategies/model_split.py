@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from typing_extensions import override
 
+from src.strategies.limits import refuse_manual_optimization
 from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 
 
@@ -108,8 +109,7 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         if not isinstance(getattr(module, "net", None), torch.nn.Module):
             raise RuntimeError(f"{self.way} splits the LightningModule's `net`, as "
                                f"src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
-        if fitting and not module.automatic_optimization:
-            raise RuntimeError(f"{self.way} supports automatic optimization only. Set automatic_optimization=True.")
+        refuse_manual_optimization(self.way, module, fitting)
         if trainer.gradient_clip_val:
             raise RuntimeError(f"{self.way} does not clip gradients: each process holds only its part of them, and "
                                "the norm is the whole model's; leave trainer.gradient_clip_val unset")

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from src.layout import ParallelLayout
+from src.strategies.limits import refuse_gradient_scaler
 from src.strategies.pipeline_net import (SCHEDULES, SEVERAL_PER_PROCESS, PipelinedNet, Placement, microbatches_for,
                                          stage_ranks)
 from src.strategies.pipeline_stages import (balanced_starts, block_macs, check_chain, cut_starts, named_blocks,
@@ -328,14 +329,11 @@ def check_pipelinable(module: Any, precision: Any) -> None:
         RuntimeError: A model without a `loss_fn` (the schedule computes each micro-batch's loss), fp16 with a
             gradient scaler.
     """
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     if not callable(getattr(module, "loss_fn", None)):
         raise RuntimeError(f"the pipeline strategy runs a LightningModule with a `loss_fn` (each micro-batch's loss), "
                            f"as src.models.classifier.ImageClassifier has; {type(module).__name__} lacks one")
-    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-        raise RuntimeError("the pipeline strategy does not support fp16 with a gradient scaler (the schedule runs "
-                           "backward itself); use --trainer.precision bf16-mixed, 32-true or 64-true")
+    refuse_gradient_scaler("the pipeline strategy", precision, " (the schedule runs backward itself); use "
+                           "--trainer.precision bf16-mixed, 32-true or 64-true")
 
 
 def _nearest(valid: list[int], x: int) -> str:

@@ -425,6 +425,13 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             self.split_weights, self.split_fixed_at_step = weights, self.optimizer_steps
             self.shares.fix(weights)
 
+    def step_counters(self):
+        """What this strategy measured in its last step, for the callbacks (`src.layout.StepCounters`): its
+        `src.strategies.measures.SplitAllreduceCounters`."""
+        from src.strategies.measures import SplitAllreduceCounters
+
+        return SplitAllreduceCounters(self)
+
 
 # `trainer.strategy: split_allreduce` works once this module is imported
 StrategyRegistry.register(SplitAllreduceStrategy.strategy_name, SplitAllreduceStrategy, description="split each "

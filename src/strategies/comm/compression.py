@@ -268,7 +268,7 @@ class CompressionSpec:
         ValueError: An unknown kind, or bad PowerSGD settings with "powersgd".
     """
 
-    kind: Literal["none", "bf16", "powersgd"] = "none"
+    kind: Literal[COMPRESSIONS] = "none"
     rank: int = 2
     warmup_steps: int = 1000
     error_feedback: bool = True

@@ -9,7 +9,7 @@ job's exchange, the word HPARAMS shows as `run/allreduce` and the predictor take
 IN_PROCESS = ("ring", "reduce_broadcast")
 # split_allreduce's `process_allreduce`: between the P processes
 BETWEEN_PROCESSES = ("ring", "torch")
-# split_allreduce's `compression`: of each bucket's exchange between processes
+# `compression.kind` (ours' and CompressedDDPStrategy's) and the predictor's --compression, as Literal[COMPRESSIONS]
 COMPRESSIONS = ("none", "bf16", "powersgd")
 
 # The whole job's exchange, by name
