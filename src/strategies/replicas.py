@@ -9,10 +9,9 @@ to replica 0's gradients (torch's clipping, scaling, zeroing), to its optimizer 
 or cleared state, another optimizer) or to its optimizer state, acts once, on the one update the replicas
 then copy: the result is one device's by construction, not because each case is replayed.
 
-Following replica 0. The other replicas' `requires_grad` flags and the gradient exchange's overlap hooks are built
-from replica 0 (hooks may freeze or unfreeze parameters during fit). `Replica0Watch` records what they were built
-from and, at every step, says what differs now, so that only that is rebuilt; it also refuses an optimizer over
-tensors the replicas do not have, and, with partitioned state, says when the partitions must be made again.
+Following replica 0. The other replicas' `requires_grad` flags are replica 0's (hooks may freeze or unfreeze
+parameters during fit). `Replica0Watch` records what they were given and, at every step, what differs now, so that
+only that is carried; it also refuses an optimizer over tensors the replicas do not have.
 """
 
 import copy
@@ -107,8 +106,8 @@ def copy_tensors_(targets: list[Tensor], sources: list[Tensor]) -> None:
 
 
 class Replica0Watch:
-    """What the other replicas' `requires_grad` flags, the exchange and any partitions were built from, compared with
-    replica 0 now.
+    """What the other replicas' `requires_grad` flags and the processes' agreement were made from, compared with replica
+    0 now.
 
     Args:
         replicas: This process's replicas, replica 0 first; their parameters must not change after this (checked
@@ -137,8 +136,7 @@ class Replica0Watch:
         """Give every other replica replica 0's `requires_grad` flags.
 
         Returns:
-            Whether the flags changed since the last call (always True on the first), i.e. whether the exchange's
-            overlap hooks, registered on the parameters that require a gradient, must be made again.
+            Whether the flags changed since the last call (always True on the first).
         """
         flags = tuple(p.requires_grad for p in self.params)
         if flags == self.trainable:
@@ -211,9 +209,9 @@ class ReplicaSet:
         self.devices = devices
         self.sync_group = convert_(self.modules, across_processes) if sync_batchnorm else None
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
-        self.watch: Replica0Watch | None = None  # what the flags and the exchange were built from
+        self.watch: Replica0Watch | None = None  # what the flags and the agreement were made from
 
-    def follow(self, optimizers: list[Optimizer], anew: bool = False) -> bool:
+    def follow(self, optimizers: list[Optimizer], anew: bool = False) -> None:
         """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
         (`Replica0Watch`): new `requires_grad` flags reach every replica; another optimizer, new param groups or
         a loaded optimizer state are recorded (and checked to hold the module's own parameters only).
@@ -221,10 +219,6 @@ class ReplicaSet:
         Args:
             optimizers: The strategy's optimizers (exactly one).
             anew: Watch replica 0 afresh (at train start, after a checkpoint's optimizer state was restored).
-
-        Returns:
-            Whether the `requires_grad` flags changed (always True when `anew`): the gradient exchange, whose
-            overlap hooks sit on the parameters that require a gradient, must then be made again.
 
         Raises:
             RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
@@ -234,10 +228,9 @@ class ReplicaSet:
         if anew or self.watch is None:
             self.watch = Replica0Watch(self.modules)
         self.watch.check_parameters()
-        trainable_changed = self.watch.follow_trainable()
+        self.watch.follow_trainable()
         if self.watch.optimizer_changed(optimizers[0]):
             self.watch.record(optimizers[0])  # it refuses an optimizer over tensors the replicas do not have
-        return trainable_changed
 
     def forward(self, hook: str, args: tuple, kwargs: dict, sizes: list[int], step_context: Callable[[], Any],
                 gather: Callable[[list[tuple[int, Any]]], Any], replicate: bool = False,

@@ -237,6 +237,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
+        self._make_exchange()
         self._batch_count = GlobalBatchCount(self.global_rank, self.total_replicas, self.root_device)
 
     def _partitioned(self) -> PartitionedOptimizer | None:
@@ -245,35 +246,37 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return held if isinstance(held, PartitionedOptimizer) else None
 
     def _follow_replica0(self, anew: bool = False) -> None:
-        """Carry what changed on replica 0 to the other replicas; build what the step runs on: with `zero_stage`, the
-        partitions around the user's optimizer (at train start, or when a callback replaced it), and the gradient
-        exchange (again when `requires_grad` flags changed: its overlap hooks sit on the trainable parameters),
-        whose bucket operation is stage 2's reduce-scatter, else the allreduce."""
+        """Carry what changed on replica 0 to the other replicas; with `zero_stage`, make the partitions around the
+        user's optimizer (at train start, or when a callback replaced it)."""
         partitioned = self._partitioned()
         source = partitioned.source if partitioned is not None else self.optimizers[0] if self.optimizers else None
-        remake = self.replica_set.follow([source, *self.optimizers[1:]], anew) or self.exchange is None
-        params = [list(r.parameters()) for r in self.replicas]
+        self.replica_set.follow([source, *self.optimizers[1:]], anew)
         if self.zero_stage and partitioned is None:
-            partitioned = PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
-                                                    self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
-                                                    if self.multi_process else None)
-            self.optimizers = [partitioned]
+            params = [list(r.parameters()) for r in self.replicas]
+            self.optimizers = [PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
+                                                         self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
+                                                         if self.multi_process else None)]
             if self.zero_stage == 2:  # Lightning's clipping then clips the partitions (no whole gradient is kept)
                 self.precision_plugin = over_partitions(self.precision_plugin)
-            remake = True
-        if not remake:
-            return
-        previous = self.exchange
-        if previous is not None:
-            previous.remove()
+
+    def _make_exchange(self) -> None:
+        """Make the gradient exchange of the fit loop now starting (the lr finder runs one before fit's own). It stays
+        right while callbacks change `requires_grad` flags (its overlap hooks read them at each backward), and at
+        `zero_stage` 2 its bucket operation is the reduce-scatter of the partitions held at that step."""
+        if self.exchange is not None:
+            self.exchange.remove()
+        params = [list(r.parameters()) for r in self.replicas]
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
-        bucket_op = partitioned.partitions.reduce_scatter_bucket_ if self.zero_stage == 2 else None
+        bucket_op = self._reduce_scatter_bucket_ if self.zero_stage == 2 else None
         self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
                                          background, self.compression, bucket_op)
-        if previous is not None:  # made again inside the step's closure: the new one makes the expected exchange
-            previous.hand_over(self.exchange)
+
+    def _reduce_scatter_bucket_(self, members: list[list[Tensor]], index: int, param_ids: list[int]) -> list[int]:
+        """Stage 2's exchange of one bucket: the reduce-scatter of the partitioned optimizer held now (a new one when a
+        callback replaced the optimizer), `Partitions.reduce_scatter_bucket_`."""
+        return self._partitioned().partitions.reduce_scatter_bucket_(members, index, param_ids)
 
     @override
     def teardown(self) -> None:
@@ -317,7 +320,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
         # optimizer_step followed replica 0 before its closure; again here, for micro-batches that only accumulate
-        # gradients and for what a hook changed since (a changed exchange takes over the one expected)
+        # gradients and for what a hook changed since
         self._follow_replica0()
         n = batch_size_of(args[0])
         total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
@@ -388,7 +391,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         replica 0's parameters (or, with `zero_stage`, every replica its partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # follow before the closure, so that overlap hooks made for new `requires_grad` flags are armed in it
+        # follow before the closure, so that the partitions exist before it (a callback may have replaced the optimizer)
         self._follow_replica0()
         # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
         # hooks, clipping and the update. Replica 0's optimizer steps and the others take its parameters; the
@@ -410,8 +413,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return out
 
     def _closure_with_exchange(self, closure: Callable[[], Any]) -> Any:
-        """Lightning's closure, then the expected exchange if its backward did not run it (a skipped batch): by the
-        exchange of the end of the closure, which a hook's change may have made anew inside it."""
+        """Lightning's closure, then the expected exchange if its backward did not run it (a skipped batch)."""
         out = closure()
         self.exchange.unless_done()
         return out

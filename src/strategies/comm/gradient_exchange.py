@@ -212,7 +212,9 @@ class GradientExchange:
         replica_params: K lists of parameters, replica 0's first; entry i of each is the same parameter.
         algorithm: "ring" or "reduce_broadcast" (see `src.strategies.comm.allreduce`).
         cap_bytes: Bucket capacity in bytes; buckets are filled from the last parameter backwards.
-        overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready.
+        overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready (of the
+            parameters that require a gradient when that backward starts: one exchange serves a whole fit while
+            callbacks freeze and unfreeze parameters).
         between: With several processes, the allreduce between them (`src.strategies.comm.hierarchical`); every
             bucket is then summed over every replica of every process. None: this process's replicas only.
         background: With `overlap`, run each bucket's exchange on a thread of its own, one bucket after another in
@@ -278,11 +280,6 @@ class GradientExchange:
         """Make the next `in_backward` exchange: the backward of Lightning's closure of the micro-batch that ends a
         step (`grad_norms` as in `around_backward`); the closure ends with `unless_done`."""
         self._due = _Due(grad_norms)
-
-    def hand_over(self, successor: "GradientExchange") -> None:
-        """Give an expected exchange to `successor`, the exchange made in this one's place (over new `requires_grad`
-        flags) before the expected backward ran."""
-        successor._due, self._due = self._due, None
 
     def in_backward(self, backward: Callable[[], Any]) -> None:
         """Run `backward`, with the exchange around it if one is expected (`expect`), else alone (a micro-batch that
