@@ -1,14 +1,15 @@
 """Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes.
 
-Read top to bottom: the settings, where the replicas live, setup, then one step. `training_step` is the
-algorithm: follow replica 0, then `ReplicaSet.forward` (scatter, replicate, run the replicas, gather).
-`optimizer_step` is the update: backward with the gradient exchange, replica 0's optimizer, the other replicas
-take its parameters, sync buffers. The processes (launch, process group, collectives) are the base class,
-`src.strategies.processes`; the replicas are `src.strategies.replicas`.
+Read top to bottom: the settings, where the replicas live, setup, then one step. `on_train_batch_start` follows
+replica 0 (after the user's hooks of that batch); `training_step` is the algorithm: `ReplicaSet.forward` (scatter,
+replicate, run the replicas, gather). `optimizer_step` is the update: backward with the gradient exchange, replica
+0's optimizer, the other replicas take its parameters, sync buffers. The processes (launch, process group,
+collectives) are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
 
@@ -121,6 +122,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         self.zero_stage = zero_stage
         self._update_bytes: list[int] = []  # with zero_stage: bytes each device sent in the last all-gather
         self._batch_count: GlobalBatchCount | None = None  # N of each global batch, with several processes
+        self._accumulating = False  # inside Lightning's `block_backward_sync`: a backward that does not exchange
 
     # ---- where the replicas live, and what a user or a callback may read of them ---------------------------
     @property
@@ -279,6 +281,14 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return self._partitioned().partitions.reduce_scatter_bucket_(members, index, param_ids)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Follow replica 0, once per batch: after the callbacks' and the module's `on_train_batch_start` (which may
+        freeze parameters, replace the optimizer, ...) and before its forward and, with `zero_stage`, its update.
+        What hooks change later in the batch (after backward) is followed at the next one."""
+        if self.data_parallel:
+            self._follow_replica0()
+
+    @override
     def teardown(self) -> None:
         """Remove the overlap hooks, make synchronised BatchNorm layers plain again and drop the replicas. The
         exchange stays, so its byte counts and buckets can be read after fit."""
@@ -319,9 +329,6 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         """Run training_step on every shard (`ReplicaSet.forward`) and return the loss of the whole global batch."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
-        # optimizer_step followed replica 0 before its closure; again here, for micro-batches that only accumulate
-        # gradients and for what a hook changed since
-        self._follow_replica0()
         n = batch_size_of(args[0])
         total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
         if self.multi_process:
@@ -341,7 +348,9 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward (its hooks, then the precision plugin's backward), with the gradient exchange inside it
-        when this backward ends a step: `on_after_backward` then sees the reduced gradient, as under DDP. One
+        unless Lightning blocks it (`block_backward_sync`, around the micro-batches that only accumulate): so the
+        backward of the step's last micro-batch exchanges, and `on_after_backward` sees the reduced gradient, as under
+        DDP. One
         backward through the gathered loss runs every replica's part of it (on several GPUs, at the same time on
         autograd's per-device threads), so it is one span of the step timeline, not one per replica."""
         module = self.lightning_module
@@ -352,10 +361,10 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             with phase("backward (all replicas)"):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
 
-        if self.exchange is None:  # a single replica: nothing to exchange
+        if self.exchange is None or self._accumulating:  # a single replica, or gradients that only accumulate
             backward()
         else:
-            self.exchange.in_backward(backward)
+            self.exchange.around_backward(backward, self._grad_norms_due())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -391,13 +400,10 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         replica 0's parameters (or, with `zero_stage`, every replica its partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # follow before the closure, so that the partitions exist before it (a callback may have replaced the optimizer)
-        self._follow_replica0()
         # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
         # hooks, clipping and the update. Replica 0's optimizer steps and the others take its parameters; the
         # partitioned one (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
-        self.exchange.expect(self.log_grad_norms and should_update_logs(replica0.trainer))
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         if (partitioned := self._partitioned()) is None:
             self.replica_set.drop_other_gradients()
@@ -413,10 +419,28 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return out
 
     def _closure_with_exchange(self, closure: Callable[[], Any]) -> Any:
-        """Lightning's closure, then the expected exchange if its backward did not run it (a skipped batch)."""
+        """Lightning's closure, then the exchange if no backward ran one (a skipped batch: `training_step` returned
+        None, or a callback skips backward), over no new gradients, as every process must exchange."""
+        done = self.exchange.completed
         out = closure()
-        self.exchange.unless_done()
+        if self.exchange.completed == done:
+            self.exchange.around_backward(lambda: None, self._grad_norms_due())
         return out
+
+    def _grad_norms_due(self) -> bool:
+        """Whether this step's exchange takes each replica's gradient norm first (`log_grad_norms`, a logging step)."""
+        return self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's `no_sync`: backward inside it only accumulates gradients (the micro-batches before a step's
+        last one, `accumulate_grad_batches`); the exchange waits for the backward of the last."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def _fix_auto_split(self) -> None:
         """Fix the shares once `split_weights: auto` has measured every replica's rate (every process's rates are
