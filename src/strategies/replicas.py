@@ -28,7 +28,7 @@ from torchmetrics import Metric
 from src.layout import HeldBytes, held_bytes
 from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
 from src.strategies.lockstep import lockstep_apply
-from src.strategies.scatter_gather import ShardedCall, parallel_apply, scatter
+from src.strategies.scatter_gather import ShardedCall, module_tree, parallel_apply, scatter
 from src.strategies.sync_batchnorm import convert_, revert_
 from src.timeline.labels import phase
 
@@ -112,11 +112,15 @@ class Replica0Watch:
     Args:
         replicas: This process's replicas, replica 0 first; their parameters must not change after this (checked
             by `check_parameters`).
+        params: Their parameter lists, `list(replica.parameters())` of each (default: walked here).
     """
 
-    def __init__(self, replicas: list[nn.Module]) -> None:
+    def __init__(self, replicas: list[nn.Module], params: list[list[nn.Parameter]] | None = None) -> None:
         self.replicas = replicas
-        self.params = list(replicas[0].parameters())
+        self.replica_params = params if params is not None else [list(r.parameters()) for r in replicas]
+        self.params = self.replica_params[0]
+        _check_same_parameters(self.params, list(replicas[0].parameters()))  # e.g. replaced since the lists were made
+        self._walked = module_tree(replicas[0])[1]  # what `check_parameters` compares with
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.trainable: tuple[bool, ...] | None = None  # the requires_grad flags the replicas were given last
         self.optimizer: Optimizer | None = None  # the optimizer recorded last
@@ -124,13 +128,10 @@ class Replica0Watch:
         self._state: Any = None  # its `state` dict then: `load_state_dict` replaces it with a new one
 
     def check_parameters(self) -> None:
-        """Raises RuntimeError if replica 0's parameters are no longer those the replicas were copied from."""
-        now = list(self.replicas[0].parameters())
-        if len(now) != len(self.params) or any(p is not q for p, q in zip(now, self.params)):
-            raise RuntimeError(
-                f"split_allreduce: the LightningModule's parameters changed during fit ({len(self.params)} at setup, "
-                f"{len(now)} now, or one was replaced), but the other replicas were copied at setup and have no "
-                "copy of the new ones; create every parameter before fit starts (in __init__ or configure_model)")
+        """Raises RuntimeError if replica 0's parameters are no longer those the replicas were copied from: one walk of
+        its modules (`module_tree`, no hashing) finds a parameter added, removed or replaced, also in a new
+        submodule."""
+        _check_same_parameters(self._walked, module_tree(self.replicas[0])[1])
 
     def follow_trainable(self) -> bool:
         """Give every other replica replica 0's `requires_grad` flags.
@@ -141,8 +142,8 @@ class Replica0Watch:
         flags = tuple(p.requires_grad for p in self.params)
         if flags == self.trainable:
             return False
-        for replica in self.replicas[1:]:
-            for p, flag in zip(replica.parameters(), flags):
+        for params in self.replica_params[1:]:
+            for p, flag in zip(params, flags):
                 p.requires_grad_(flag)
         self.trainable = flags
         return True
@@ -183,6 +184,15 @@ class Replica0Watch:
         self.optimizer, self._state = optimizer, optimizer.state
 
 
+def _check_same_parameters(before: list[nn.Parameter], now: list[nn.Parameter]) -> None:
+    """Raises RuntimeError unless `now` holds the very parameters of `before`, in order."""
+    if len(now) != len(before) or any(p is not q for p, q in zip(now, before)):
+        raise RuntimeError(
+            f"split_allreduce: the LightningModule's parameters changed during fit ({len(before)} at setup, "
+            f"{len(now)} now, or one was replaced), but the other replicas were copied at setup and have no "
+            "copy of the new ones; create every parameter before fit starts (in __init__ or configure_model)")
+
+
 def check_one_optimizer(optimizers: list) -> None:
     """Raises RuntimeError unless there is exactly one optimizer (replica 0's, whose update the others copy)."""
     if len(optimizers) != 1:
@@ -208,6 +218,9 @@ class ReplicaSet:
             replica.trainer = trainer
         self.devices = devices
         self.sync_group = convert_(self.modules, across_processes) if sync_batchnorm else None
+        # each replica's parameters, made once: a step reads them without walking the modules (the watch checks that
+        # replica 0 keeps them)
+        self.params = [list(m.parameters()) for m in self.modules]
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
         self.watch: Replica0Watch | None = None  # what the flags and the agreement were made from
 
@@ -226,7 +239,7 @@ class ReplicaSet:
         """
         check_one_optimizer(optimizers)
         if anew or self.watch is None:
-            self.watch = Replica0Watch(self.modules)
+            self.watch = Replica0Watch(self.modules, self.params)
         self.watch.check_parameters()
         self.watch.follow_trainable()
         if self.watch.optimizer_changed(optimizers[0]):
@@ -273,13 +286,17 @@ class ReplicaSet:
         """Every other replica takes replica 0's parameters (and, if `buffers`, its buffers): before each forward pass,
         so that they compute with what replica 0 holds after its update and whatever hooks and callbacks did to it
         since. A `dp/broadcast parameters` span of the step timeline."""
-        with phase("broadcast parameters"):
-            copy_parameters_(self.modules, buffers)
+        with phase("broadcast parameters"), torch.no_grad():
+            if buffers:
+                copy_parameters_(self.modules, buffers)
+            else:
+                for params in self.params[1:]:
+                    copy_tensors_(params, self.params[0])
 
     def drop_other_gradients(self) -> None:
         """After the update: replicas 1..K-1 drop their gradients (Lightning zeroes replica 0's optimizer's only)."""
-        for replica in self.modules[1:]:
-            for p in replica.parameters():
+        for params in self.params[1:]:
+            for p in params:
                 p.grad = None
 
     def held_bytes(self, optimizer: Optimizer, gradient_bytes: list[int]) -> list[HeldBytes]:
@@ -318,4 +335,4 @@ class ReplicaSet:
         """Make synchronised BatchNorm layers plain again (checkpoints and later stages see plain BatchNorm) and
         drop the other replicas."""
         revert_(self.modules)
-        self.modules, self._metric_pairs, self.sync_group, self.watch = [], [], None, None
+        self.modules, self.params, self._metric_pairs, self.sync_group, self.watch = [], [], [], None, None

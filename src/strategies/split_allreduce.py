@@ -254,7 +254,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         source = partitioned.source if partitioned is not None else self.optimizers[0] if self.optimizers else None
         self.replica_set.follow([source, *self.optimizers[1:]], anew)
         if self.zero_stage and partitioned is None:
-            params = [list(r.parameters()) for r in self.replicas]
+            params = [list(ps) for ps in self.replica_set.params]
             self.optimizers = [PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
                                                          self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
                                                          if self.multi_process else None)]
@@ -267,7 +267,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         `zero_stage` 2 its bucket operation is the reduce-scatter of the partitions held at that step."""
         if self.exchange is not None:
             self.exchange.remove()
-        params = [list(r.parameters()) for r in self.replicas]
+        params = self.replica_set.params
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
