@@ -1,13 +1,14 @@
 """This process's K replicas of the LightningModule, and what keeps them training as one: the copies, the metrics
-merged into replica 0's, replica 0's parameters taken by every copy after each update, buffer sync and the desync
-check. Replicas are made once, at setup. `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
+merged into replica 0's, replica 0's parameters taken by every copy before each forward pass, buffer sync and the
+desync check. Replicas are made once, at setup. `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
 
 One optimizer. Only replica 0's optimizer (the one Lightning holds) steps; after its update every other replica
-takes replica 0's parameters, as `torch.nn.DataParallel` replicates the module from device 0 at every forward
-(`torch.nn.parallel.replicate`). So whatever the user's hooks and callbacks do between backward and the update,
-to replica 0's gradients (torch's clipping, scaling, zeroing), to its optimizer (an lr, a param group, a loaded
-or cleared state, another optimizer) or to its optimizer state, acts once, on the one update the replicas
-then copy: the result is one device's by construction, not because each case is replayed.
+takes replica 0's parameters (before the next forward pass, or when read first), as `torch.nn.DataParallel`
+replicates the module from device 0 at every forward (`torch.nn.parallel.replicate`). So whatever the user's hooks
+and callbacks do between backward and the update, to replica 0's gradients (torch's clipping, scaling, zeroing), to
+its optimizer (an lr, a param group, a loaded or cleared state, another optimizer) or to its optimizer state, acts
+once, on the one update the replicas then copy: the result is one device's by construction, not because each case is
+replayed.
 
 Following replica 0. The other replicas' `requires_grad` flags are replica 0's (hooks may freeze or unfreeze
 parameters during fit). `Replica0Watch` records what they were given and, at every step, what differs now, so that
@@ -223,6 +224,7 @@ class ReplicaSet:
         self.params = [list(m.parameters()) for m in self.modules]
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
         self.watch: Replica0Watch | None = None  # what the flags and the agreement were made from
+        self._behind = False  # replicas 1..K-1 hold replica 0's parameters of before its last update (`updated`)
 
     def follow(self, optimizers: list[Optimizer], anew: bool = False) -> None:
         """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
@@ -282,10 +284,25 @@ class ReplicaSet:
             timed(sizes, seconds)
         return gather(list(zip(sizes, outputs)))
 
+    def updated(self) -> None:
+        """After replica 0's update (no partitions): the other replicas take its parameters at the next forward pass,
+        or earlier if they are read first (`caught_up`), so that a step copies them once, not after the update and
+        again before the forward pass."""
+        self._behind = True
+
+    def caught_up(self) -> list["pl.LightningModule"]:
+        """The replicas, every other one holding replica 0's parameters (taken now if behind its last update): what a
+        reader between steps sees (`SplitAllreduceStrategy.replicas`, the desync check), as if each took them right
+        after the update."""
+        if self._behind:
+            self.take_replica0_parameters()
+        return self.modules
+
     def take_replica0_parameters(self, buffers: bool = False) -> None:
         """Every other replica takes replica 0's parameters (and, if `buffers`, its buffers): before each forward pass,
         so that they compute with what replica 0 holds after its update and whatever hooks and callbacks did to it
         since. A `dp/broadcast parameters` span of the step timeline."""
+        self._behind = False
         with phase("broadcast parameters"), torch.no_grad():
             if buffers:
                 copy_parameters_(self.modules, buffers)

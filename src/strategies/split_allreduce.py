@@ -150,8 +150,9 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @property
     def replicas(self) -> list["pl.LightningModule"]:
-        """This process's replicas, replica 0 first; empty outside setup..teardown."""
-        return self.replica_set.modules if self.replica_set is not None else []
+        """This process's replicas, replica 0 first, each holding replica 0's parameters; empty outside
+        setup..teardown."""
+        return self.replica_set.caught_up() if self.replica_set is not None else []
 
     def replica_parameter(self, k: int, name: str) -> Tensor:
         """Replica k's copy of a named parameter or buffer (e.g. "net.features.0.bias"), on its device.
@@ -159,6 +160,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         Raises:
             IndexError: If there is no replica k. KeyError: If there is no such name.
         """
+        self.replica_set.caught_up()
         return self.replica_set.tensor(k, name)
 
     @property
@@ -207,7 +209,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     def check_replicas_in_sync(self) -> None:
         """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
         (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
-        check_replicas_in_sync(self.replica_set.modules, self.replica_set.devices, self.optimizer_steps)
+        check_replicas_in_sync(self.replica_set.caught_up(), self.replica_set.devices, self.optimizer_steps)
         if self.multi_process:
             check_in_sync_between_processes(self.replicas[0], self.optimizer_steps)
 
@@ -396,21 +398,22 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's step with the gradient exchange in the closure's backward, then every other replica takes
-        replica 0's parameters (or, with `zero_stage`, every replica its partition's update)."""
+        """Lightning's step with the gradient exchange in the closure's backward, then every other replica is to take
+        replica 0's parameters (at the next forward, `ReplicaSet.updated`; with `zero_stage`, every replica took its
+        partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
-        # hooks, clipping and the update. Replica 0's optimizer steps and the others take its parameters; the
+        # hooks, clipping and the update. Replica 0's optimizer steps and the others are to take its parameters; the
         # partitioned one (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         if (partitioned := self._partitioned()) is None:
             self.replica_set.drop_other_gradients()
-            self.replica_set.take_replica0_parameters()
+            self.replica_set.updated()  # they take replica 0's parameters once, before the next forward pass
         self._update_bytes = [] if partitioned is None else list(partitioned.bytes_sent)
         if any(True for _ in replica0.buffers()):
-            sync_every_buffer_(self.replicas, self.sync_buffers_mode, self.multi_process)
+            sync_every_buffer_(self.replica_set.modules, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
         if self.split_weights == "auto":
             self._fix_auto_split()
