@@ -234,8 +234,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Make the exchange and, with `zero_stage`, the partitioned optimizer (after a checkpoint's state was restored
-        into the user's); every step then carries what callbacks changed on replica 0 since (`ReplicaSet.follow`)."""
+        """Make the exchange and, with `zero_stage`, the partitioned optimizer (after a checkpoint was restored)."""
         if not self.data_parallel:
             return
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
@@ -265,28 +264,21 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     def _make_exchange(self) -> None:
         """Make the gradient exchange of the fit loop now starting (the lr finder runs one before fit's own). It stays
-        right while callbacks change `requires_grad` flags (its overlap hooks read them at each backward), and at
-        `zero_stage` 2 its bucket operation is the reduce-scatter of the partitions held at that step."""
+        right while callbacks change `requires_grad` flags: its overlap hooks read them at each backward."""
         if self.exchange is not None:
             self.exchange.remove()
-        params = self.replica_set.params
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
-        bucket_op = self._reduce_scatter_bucket_ if self.zero_stage == 2 else None
-        self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
-                                         background, self.compression, bucket_op)
-
-    def _reduce_scatter_bucket_(self, members: list[list[Tensor]], index: int, param_ids: list[int]) -> list[int]:
-        """Stage 2's exchange of one bucket: the reduce-scatter of the partitioned optimizer held now (a new one when a
-        callback replaced the optimizer), `Partitions.reduce_scatter_bucket_`."""
-        return self._partitioned().partitions.reduce_scatter_bucket_(members, index, param_ids)
+        # stage 2: the reduce-scatter of the partitioned optimizer held when the bucket goes (a callback may replace it)
+        op = (lambda *b: self._partitioned().partitions.reduce_scatter_bucket_(*b)) if self.zero_stage == 2 else None
+        self.exchange = GradientExchange(self.replica_set.params, self.algorithm, self.bucket_cap_bytes, self.overlap,
+                                         between, background, self.compression, op)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Follow replica 0, once per batch: after the callbacks' and the module's `on_train_batch_start` (which may
-        freeze parameters, replace the optimizer, ...) and before its forward and, with `zero_stage`, its update.
-        What hooks change later in the batch (after backward) is followed at the next one."""
+        """Follow replica 0 once per batch, after the callbacks' and the module's `on_train_batch_start` (which may
+        freeze parameters, replace the optimizer, ...); what hooks change later is followed at the next batch."""
         if self.data_parallel:
             self._follow_replica0()
 
@@ -403,9 +395,8 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
-        # hooks, clipping and the update. Replica 0's optimizer steps and the others are to take its parameters; the
-        # partitioned one (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
+        # the closure's backward exchanges the buckets, before the user's hooks, clipping and the update; the
+        # partitioned optimizer (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         if (partitioned := self._partitioned()) is None:
@@ -437,8 +428,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning's `no_sync`: backward inside it only accumulates gradients (the micro-batches before a step's
-        last one, `accumulate_grad_batches`); the exchange waits for the backward of the last."""
+        """DDP's `no_sync`: Lightning runs the micro-batches before a step's last one in it; they do not exchange."""
         self._accumulating = True
         try:
             yield
