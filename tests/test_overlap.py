@@ -55,23 +55,36 @@ def test_overlap_with_accumulation_and_an_empty_shard(tiny_data_dir):
     assert strategy.shard_sizes(25) == [25, 0] and max_param_diff(lopsided, reference) <= 1e-9
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_an_exchange_made_again_inside_the_closure_makes_the_expected_exchange(overlap):
-    """The strategy arms the exchange before Lightning's closure; when the closure's own follow of replica 0 makes
-    the exchange again (new `requires_grad` flags), the new one sums the gradients and the old one does not."""
+def test_one_exchange_stays_right_while_parameters_are_frozen_and_unfrozen():
+    """The exchange is made once; its overlap hooks read the `requires_grad` flags when armed. A parameter frozen when
+    the exchange was made and unfrozen later is reduced during backward, and a frozen one (no gradient) neither holds
+    back its bucket nor gets a gradient."""
     torch.manual_seed(0)
-    replicas = [torch.nn.Linear(3, 2, dtype=torch.float64) for _ in range(2)]
-    params = [list(r.parameters()) for r in replicas]
-    old = GradientExchange(params, "ring", 1 << 20, overlap)
-    old.expect()
-    old.remove()
-    new = GradientExchange(params, "ring", 1 << 20, overlap)
-    old.hand_over(new)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    alone = [torch.autograd.grad(r(x).square().sum() * (k + 1), r.weight)[0] for k, r in enumerate(replicas)]
-    old.in_backward(lambda: None)  # nothing expected of the old one any more: no exchange
-    new.in_backward(lambda: [(r(x).square().sum() * (k + 1)).backward() for k, r in enumerate(replicas)])
+    replicas = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double() for _ in range(2)]
     for r in replicas:
-        assert torch.equal(r.weight.grad, alone[0] + alone[1])
-    new.unless_done()  # the expected exchange ran in that backward: nothing is left to run
-    assert new.bytes_sent and all(n > 0 for n in new.bytes_sent)
+        r[0].weight.requires_grad_(False)
+    params = [list(r.parameters()) for r in replicas]
+    exchange = GradientExchange(params, "ring", 1, overlap=True)  # a bucket per parameter
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def exchanged_step() -> list[torch.Tensor]:
+        for r in replicas:
+            r.zero_grad(set_to_none=True)
+        alone = [[g for g in torch.autograd.grad(r(x).square().sum() * (k + 1),
+                                                   [p for p in r.parameters() if p.requires_grad])]
+                 for k, r in enumerate(replicas)]
+        exchange.around_backward(lambda: [(r(x).square().sum() * (k + 1)).backward() for k, r in enumerate(replicas)])
+        return [a + b for a, b in zip(*alone)]
+
+    for frozen in (None, replicas[0][1].bias):  # first all trainable, then one of the head frozen
+        for r in replicas:
+            r[0].weight.requires_grad_(True)
+            if frozen is not None:
+                r[1].bias.requires_grad_(False)
+        expected = exchanged_step()
+        assert sorted(exchange.readiness.reduced) == list(range(len(exchange.buckets)))  # all of them in backward
+        for r in replicas:
+            trainable = [p for p in r.parameters() if p.requires_grad]
+            assert all(torch.equal(p.grad, e) for p, e in zip(trainable, expected))
+            assert r[1].bias.grad is None if frozen is not None else r[1].bias.grad is not None
+    exchange.remove()

@@ -270,6 +270,10 @@ def test_ours_one_process_two_replicas(tiny_data_dir, tmp_path):
     names = _names(tmp_path / "tl" / "trace-rank0.json")
     assert OURS_LABELS <= names, OURS_LABELS - names
     assert {f"dp/step {i}" for i in (2, 3, 4)} <= names and "dp/step 1" not in names and "dp/step 5" not in names
+    spans = load_spans(tmp_path / "tl" / "trace-rank0.json")
+    copies = [s for s in spans if s.name == "dp/broadcast parameters"]
+    # replica 1 takes replica 0's parameters once a step, before its forward pass (not after the update as well)
+    assert [sum(step.start <= c.start < step.end for c in copies) for step in steps_of(spans)] == [1, 1, 1]
     _check_breakdown(tmp_path / "tl", ranks=1, lanes=2)
     _check_phases_drawn(tmp_path / "tl", ranks=1)
     assert not labels.recording()

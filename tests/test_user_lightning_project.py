@@ -272,6 +272,8 @@ class Refused(pl.Callback):
             trainer.strategy.optimizers = [torch.optim.SGD([*pl_module.parameters(), extra], lr=0.1)]
         elif self.kind == "new layer":
             pl_module.extra = nn.Linear(2, 2).double()
+        elif self.kind == "replaced layer":  # as many parameters as before, of the same shapes: new tensors
+            pl_module.head = nn.Linear(16, CLASSES).double()
         elif self.kind == "two optimizers":
             trainer.strategy.optimizers = [torch.optim.SGD(pl_module.head.parameters(), lr=0.1),
                                            torch.optim.SGD(pl_module.body.parameters(), lr=0.1)]
@@ -280,6 +282,7 @@ class Refused(pl.Callback):
 @pytest.mark.parametrize("kind, message", [
     ("foreign tensor", "the optimizer holds a tensor that is not a parameter of the LightningModule"),
     ("new layer", "the LightningModule's parameters changed during fit"),
+    ("replaced layer", "the LightningModule's parameters changed during fit"),
     ("two optimizers", "steps one optimizer"),
 ])
 def test_changes_that_cannot_be_followed_are_refused_in_one_line(kind, message):

@@ -112,7 +112,7 @@ class CheckpointedCompression:
 
     def __init__(self, spec: CompressionSpec) -> None:
         self.spec = spec
-        self.active: Compression | None = None  # kept while the exchange is made again within a fit
+        self.active: Compression | None = None  # made at train start; the exchange of each fit loop uses it
         self._saved: dict[str, Any] | None = None  # a resumed checkpoint's state ({}: none in it)
 
     def keep_saved(self, checkpoint: dict[str, Any]) -> None:

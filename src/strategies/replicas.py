@@ -1,18 +1,18 @@
 """This process's K replicas of the LightningModule, and what keeps them training as one: the copies, the metrics
-merged into replica 0's, replica 0's parameters taken by every copy after each update, buffer sync and the desync
-check. Replicas are made once, at setup. `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
+merged into replica 0's, replica 0's parameters taken by every copy before each forward pass, buffer sync and the
+desync check. Replicas are made once, at setup. `SplitAllreduceStrategy` owns one `ReplicaSet` per fit.
 
 One optimizer. Only replica 0's optimizer (the one Lightning holds) steps; after its update every other replica
-takes replica 0's parameters, as `torch.nn.DataParallel` replicates the module from device 0 at every forward
-(`torch.nn.parallel.replicate`). So whatever the user's hooks and callbacks do between backward and the update,
-to replica 0's gradients (torch's clipping, scaling, zeroing), to its optimizer (an lr, a param group, a loaded
-or cleared state, another optimizer) or to its optimizer state, acts once, on the one update the replicas
-then copy: the result is one device's by construction, not because each case is replayed.
+takes replica 0's parameters (before the next forward pass, or when read first), as `torch.nn.DataParallel`
+replicates the module from device 0 at every forward (`torch.nn.parallel.replicate`). So whatever the user's hooks
+and callbacks do between backward and the update, to replica 0's gradients (torch's clipping, scaling, zeroing), to
+its optimizer (an lr, a param group, a loaded or cleared state, another optimizer) or to its optimizer state, acts
+once, on the one update the replicas then copy: the result is one device's by construction, not because each case is
+replayed.
 
-Following replica 0. The other replicas' `requires_grad` flags and the gradient exchange's overlap hooks are built
-from replica 0 (hooks may freeze or unfreeze parameters during fit). `Replica0Watch` records what they were built
-from and, at every step, says what differs now, so that only that is rebuilt; it also refuses an optimizer over
-tensors the replicas do not have, and, with partitioned state, says when the partitions must be made again.
+Following replica 0. The other replicas' `requires_grad` flags are replica 0's (hooks may freeze or unfreeze
+parameters during fit). `Replica0Watch` records what they were given and, at every step, what differs now, so that
+only that is carried; it also refuses an optimizer over tensors the replicas do not have.
 """
 
 import copy
@@ -29,7 +29,7 @@ from torchmetrics import Metric
 from src.layout import HeldBytes, held_bytes
 from src.run.lightning_compat import forget_computed_value, forget_metric_attributes
 from src.strategies.lockstep import lockstep_apply
-from src.strategies.scatter_gather import ShardedCall, parallel_apply, scatter
+from src.strategies.scatter_gather import ShardedCall, module_tree, parallel_apply, scatter
 from src.strategies.sync_batchnorm import convert_, revert_
 from src.timeline.labels import phase
 
@@ -107,17 +107,21 @@ def copy_tensors_(targets: list[Tensor], sources: list[Tensor]) -> None:
 
 
 class Replica0Watch:
-    """What the other replicas' `requires_grad` flags, the exchange and any partitions were built from, compared with
-    replica 0 now.
+    """What the other replicas' `requires_grad` flags and the processes' agreement were made from, compared with replica
+    0 now.
 
     Args:
         replicas: This process's replicas, replica 0 first; their parameters must not change after this (checked
             by `check_parameters`).
+        params: Their parameter lists, `list(replica.parameters())` of each (default: walked here).
     """
 
-    def __init__(self, replicas: list[nn.Module]) -> None:
+    def __init__(self, replicas: list[nn.Module], params: list[list[nn.Parameter]] | None = None) -> None:
         self.replicas = replicas
-        self.params = list(replicas[0].parameters())
+        self.replica_params = params if params is not None else [list(r.parameters()) for r in replicas]
+        self.params = self.replica_params[0]
+        _check_same_parameters(self.params, list(replicas[0].parameters()))  # e.g. replaced since the lists were made
+        self._walked = module_tree(replicas[0])[1]  # what `check_parameters` compares with
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.trainable: tuple[bool, ...] | None = None  # the requires_grad flags the replicas were given last
         self.optimizer: Optimizer | None = None  # the optimizer recorded last
@@ -125,26 +129,22 @@ class Replica0Watch:
         self._state: Any = None  # its `state` dict then: `load_state_dict` replaces it with a new one
 
     def check_parameters(self) -> None:
-        """Raises RuntimeError if replica 0's parameters are no longer those the replicas were copied from."""
-        now = list(self.replicas[0].parameters())
-        if len(now) != len(self.params) or any(p is not q for p, q in zip(now, self.params)):
-            raise RuntimeError(
-                f"split_allreduce: the LightningModule's parameters changed during fit ({len(self.params)} at setup, "
-                f"{len(now)} now, or one was replaced), but the other replicas were copied at setup and have no "
-                "copy of the new ones; create every parameter before fit starts (in __init__ or configure_model)")
+        """Raises RuntimeError if replica 0's parameters are no longer those the replicas were copied from: one walk of
+        its modules (`module_tree`, no hashing) finds a parameter added, removed or replaced, also in a new
+        submodule."""
+        _check_same_parameters(self._walked, module_tree(self.replicas[0])[1])
 
     def follow_trainable(self) -> bool:
         """Give every other replica replica 0's `requires_grad` flags.
 
         Returns:
-            Whether the flags changed since the last call (always True on the first), i.e. whether the exchange's
-            overlap hooks, registered on the parameters that require a gradient, must be made again.
+            Whether the flags changed since the last call (always True on the first).
         """
         flags = tuple(p.requires_grad for p in self.params)
         if flags == self.trainable:
             return False
-        for replica in self.replicas[1:]:
-            for p, flag in zip(replica.parameters(), flags):
+        for params in self.replica_params[1:]:
+            for p, flag in zip(params, flags):
                 p.requires_grad_(flag)
         self.trainable = flags
         return True
@@ -185,6 +185,15 @@ class Replica0Watch:
         self.optimizer, self._state = optimizer, optimizer.state
 
 
+def _check_same_parameters(before: list[nn.Parameter], now: list[nn.Parameter]) -> None:
+    """Raises RuntimeError unless `now` holds the very parameters of `before`, in order."""
+    if len(now) != len(before) or any(p is not q for p, q in zip(now, before)):
+        raise RuntimeError(
+            f"split_allreduce: the LightningModule's parameters changed during fit ({len(before)} at setup, "
+            f"{len(now)} now, or one was replaced), but the other replicas were copied at setup and have no "
+            "copy of the new ones; create every parameter before fit starts (in __init__ or configure_model)")
+
+
 def check_one_optimizer(optimizers: list) -> None:
     """Raises RuntimeError unless there is exactly one optimizer (replica 0's, whose update the others copy)."""
     if len(optimizers) != 1:
@@ -211,10 +220,14 @@ class ReplicaSet:
         self.devices = devices
         self.sync_group, self._plain_batchnorms = convert_(self.modules, across_processes) if sync_batchnorm else \
             (None, [])
+        # each replica's parameters, made once: a step reads them without walking the modules (the watch checks that
+        # replica 0 keeps them)
+        self.params = [list(m.parameters()) for m in self.modules]
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
-        self.watch: Replica0Watch | None = None  # what the flags and the exchange were built from
+        self.watch: Replica0Watch | None = None  # what the flags and the agreement were made from
+        self._behind = False  # replicas 1..K-1 hold replica 0's parameters of before its last update (`updated`)
 
-    def follow(self, optimizers: list[Optimizer], anew: bool = False) -> bool:
+    def follow(self, optimizers: list[Optimizer], anew: bool = False) -> None:
         """Carry to the other replicas what callbacks and hooks changed on replica 0 since the last step
         (`Replica0Watch`): new `requires_grad` flags reach every replica; another optimizer, new param groups or
         a loaded optimizer state are recorded (and checked to hold the module's own parameters only).
@@ -223,22 +236,17 @@ class ReplicaSet:
             optimizers: The strategy's optimizers (exactly one).
             anew: Watch replica 0 afresh (at train start, after a checkpoint's optimizer state was restored).
 
-        Returns:
-            Whether the `requires_grad` flags changed (always True when `anew`): the gradient exchange, whose
-            overlap hooks sit on the parameters that require a gradient, must then be made again.
-
         Raises:
             RuntimeError: Not exactly one optimizer, a parameter of the module added or replaced during fit, or an
                 optimizer holding a tensor that is not a parameter of the module.
         """
         check_one_optimizer(optimizers)
         if anew or self.watch is None:
-            self.watch = Replica0Watch(self.modules)
+            self.watch = Replica0Watch(self.modules, self.params)
         self.watch.check_parameters()
-        trainable_changed = self.watch.follow_trainable()
+        self.watch.follow_trainable()
         if self.watch.optimizer_changed(optimizers[0]):
             self.watch.record(optimizers[0])  # it refuses an optimizer over tensors the replicas do not have
-        return trainable_changed
 
     def forward(self, hook: str, args: tuple, kwargs: dict, sizes: list[int], step_context: Callable[[], Any],
                 gather: Callable[[list[tuple[int, Any]]], Any], replicate: bool = False,
@@ -277,17 +285,36 @@ class ReplicaSet:
             timed(sizes, seconds)
         return gather(list(zip(sizes, outputs)))
 
+    def updated(self) -> None:
+        """After replica 0's update (no partitions): the other replicas take its parameters at the next forward pass,
+        or earlier if they are read first (`caught_up`), so that a step copies them once, not after the update and
+        again before the forward pass."""
+        self._behind = True
+
+    def caught_up(self) -> list["pl.LightningModule"]:
+        """The replicas, every other one holding replica 0's parameters (taken now if behind its last update): what a
+        reader between steps sees (`SplitAllreduceStrategy.replicas`, the desync check), as if each took them right
+        after the update."""
+        if self._behind:
+            self.take_replica0_parameters()
+        return self.modules
+
     def take_replica0_parameters(self, buffers: bool = False) -> None:
         """Every other replica takes replica 0's parameters (and, if `buffers`, its buffers): before each forward pass,
         so that they compute with what replica 0 holds after its update and whatever hooks and callbacks did to it
         since. A `dp/broadcast parameters` span of the step timeline."""
-        with phase("broadcast parameters"):
-            copy_parameters_(self.modules, buffers)
+        self._behind = False
+        with phase("broadcast parameters"), torch.no_grad():
+            if buffers:
+                copy_parameters_(self.modules, buffers)
+            else:
+                for params in self.params[1:]:
+                    copy_tensors_(params, self.params[0])
 
     def drop_other_gradients(self) -> None:
         """After the update: replicas 1..K-1 drop their gradients (Lightning zeroes replica 0's optimizer's only)."""
-        for replica in self.modules[1:]:
-            for p in replica.parameters():
+        for params in self.params[1:]:
+            for p in params:
                 p.grad = None
 
     def held_bytes(self, optimizer: Optimizer, gradient_bytes: list[int]) -> list[HeldBytes]:
@@ -327,4 +354,4 @@ class ReplicaSet:
         drop the other replicas."""
         revert_(self._plain_batchnorms)
         self._plain_batchnorms = []
-        self.modules, self._metric_pairs, self.sync_group, self.watch = [], [], None, None
+        self.modules, self.params, self._metric_pairs, self.sync_group, self.watch = [], [], [], None, None

@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from src.run.lightning_compat import copy_hook_name, logged_batch, transfer_batch
@@ -74,6 +74,29 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
         start += n
     return shards
 
+def module_tree(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """`list(module.modules())` and `list(module.parameters())`, in their order, from one walk that tells modules and
+    parameters apart by identity. `nn.Module.named_modules` keeps a set of the modules it saw, and a torchmetrics
+    `Metric` hashes its states on every lookup, so each walk of a LightningModule holding metrics pays that."""
+    modules: list[nn.Module] = []
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+    seen_params: set[int] = set()
+    stack = [module]
+    while stack:  # depth first, children in order: the order of `named_modules`
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                params.append(p)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return modules, params
+
+
 def _synced_clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -87,7 +110,7 @@ def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, de
     replica0, replica = replicas[0], replicas[k]
     if k:
         # set only what differs: nn.Module.__setattr__ is slow, and in a step the modes mostly agree already
-        for source, target in zip(replica0.modules(), replica.modules()):
+        for source, target in zip(module_tree(replica0)[0], module_tree(replica)[0]):
             if target.training != source.training:
                 target.training = source.training
             # e.g. BaseFinetuning.freeze(train_bn=False) turns it off

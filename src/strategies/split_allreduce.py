@@ -1,14 +1,15 @@
 """Data parallelism written out by hand: the Lightning glue around scatter, parallel_apply, gather and allreduce
 (the d2l.ai multi-GPU chapters as a Strategy), for K replicas in each of P processes.
 
-Read top to bottom: the settings, where the replicas live, setup, then one step. `training_step` is the
-algorithm: follow replica 0, then `ReplicaSet.forward` (scatter, replicate, run the replicas, gather).
-`optimizer_step` is the update: backward with the gradient exchange, replica 0's optimizer, the other replicas
-take its parameters, sync buffers. The processes (launch, process group, collectives) are the base class,
-`src.strategies.processes`; the replicas are `src.strategies.replicas`.
+Read top to bottom: the settings, where the replicas live, setup, then one step. `on_train_batch_start` follows
+replica 0 (after the user's hooks of that batch); `training_step` is the algorithm: `ReplicaSet.forward` (scatter,
+replicate, run the replicas, gather). `optimizer_step` is the update: backward with the gradient exchange, replica
+0's optimizer, the other replicas take its parameters, sync buffers. The processes (launch, process group,
+collectives) are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
 
@@ -121,6 +122,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         self.zero_stage = zero_stage
         self._update_bytes: list[int] = []  # with zero_stage: bytes each device sent in the last all-gather
         self._batch_count: GlobalBatchCount | None = None  # N of each global batch, with several processes
+        self._accumulating = False  # inside Lightning's `block_backward_sync`: a backward that does not exchange
 
     # ---- where the replicas live, and what a user or a callback may read of them ---------------------------
     @property
@@ -148,8 +150,9 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @property
     def replicas(self) -> list["pl.LightningModule"]:
-        """This process's replicas, replica 0 first; empty outside setup..teardown."""
-        return self.replica_set.modules if self.replica_set is not None else []
+        """This process's replicas, replica 0 first, each holding replica 0's parameters; empty outside
+        setup..teardown."""
+        return self.replica_set.caught_up() if self.replica_set is not None else []
 
     def replica_parameter(self, k: int, name: str) -> Tensor:
         """Replica k's copy of a named parameter or buffer (e.g. "net.features.0.bias"), on its device.
@@ -157,6 +160,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         Raises:
             IndexError: If there is no replica k. KeyError: If there is no such name.
         """
+        self.replica_set.caught_up()
         return self.replica_set.tensor(k, name)
 
     @property
@@ -205,7 +209,7 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     def check_replicas_in_sync(self) -> None:
         """Raises ReplicaDesyncError naming the first replica, device and parameter that differ from replica 0
         (and, with several processes, the rank whose replica 0 differs from rank 0's)."""
-        check_replicas_in_sync(self.replica_set.modules, self.replica_set.devices, self.optimizer_steps)
+        check_replicas_in_sync(self.replica_set.caught_up(), self.replica_set.devices, self.optimizer_steps)
         if self.multi_process:
             check_in_sync_between_processes(self.replicas[0], self.optimizer_steps)
 
@@ -230,13 +234,13 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Make the exchange and, with `zero_stage`, the partitioned optimizer (after a checkpoint's state was restored
-        into the user's); every step then carries what callbacks changed on replica 0 since (`ReplicaSet.follow`)."""
+        """Make the exchange and, with `zero_stage`, the partitioned optimizer (after a checkpoint was restored)."""
         if not self.data_parallel:
             return
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
+        self._make_exchange()
         self._batch_count = GlobalBatchCount(self.global_rank, self.total_replicas, self.root_device)
 
     def _partitioned(self) -> PartitionedOptimizer | None:
@@ -245,35 +249,38 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return held if isinstance(held, PartitionedOptimizer) else None
 
     def _follow_replica0(self, anew: bool = False) -> None:
-        """Carry what changed on replica 0 to the other replicas; build what the step runs on: with `zero_stage`, the
-        partitions around the user's optimizer (at train start, or when a callback replaced it), and the gradient
-        exchange (again when `requires_grad` flags changed: its overlap hooks sit on the trainable parameters),
-        whose bucket operation is stage 2's reduce-scatter, else the allreduce."""
+        """Carry what changed on replica 0 to the other replicas; with `zero_stage`, make the partitions around the
+        user's optimizer (at train start, or when a callback replaced it)."""
         partitioned = self._partitioned()
         source = partitioned.source if partitioned is not None else self.optimizers[0] if self.optimizers else None
-        remake = self.replica_set.follow([source, *self.optimizers[1:]], anew) or self.exchange is None
-        params = [list(r.parameters()) for r in self.replicas]
+        self.replica_set.follow([source, *self.optimizers[1:]], anew)
         if self.zero_stage and partitioned is None:
-            partitioned = PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
-                                                    self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
-                                                    if self.multi_process else None)
-            self.optimizers = [partitioned]
+            params = [list(ps) for ps in self.replica_set.params]
+            self.optimizers = [PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
+                                                         self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
+                                                         if self.multi_process else None)]
             if self.zero_stage == 2:  # Lightning's clipping then clips the partitions (no whole gradient is kept)
                 self.precision_plugin = over_partitions(self.precision_plugin)
-            remake = True
-        if not remake:
-            return
-        previous = self.exchange
-        if previous is not None:
-            previous.remove()
+
+    def _make_exchange(self) -> None:
+        """Make the gradient exchange of the fit loop now starting (the lr finder runs one before fit's own). It stays
+        right while callbacks change `requires_grad` flags: its overlap hooks read them at each backward."""
+        if self.exchange is not None:
+            self.exchange.remove()
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
-        bucket_op = partitioned.partitions.reduce_scatter_bucket_ if self.zero_stage == 2 else None
-        self.exchange = GradientExchange(params, self.algorithm, self.bucket_cap_bytes, self.overlap, between,
-                                         background, self.compression, bucket_op)
-        if previous is not None:  # made again inside the step's closure: the new one makes the expected exchange
-            previous.hand_over(self.exchange)
+        # stage 2: the reduce-scatter of the partitioned optimizer held when the bucket goes (a callback may replace it)
+        op = (lambda *b: self._partitioned().partitions.reduce_scatter_bucket_(*b)) if self.zero_stage == 2 else None
+        self.exchange = GradientExchange(self.replica_set.params, self.algorithm, self.bucket_cap_bytes, self.overlap,
+                                         between, background, self.compression, op)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Follow replica 0 once per batch, after the callbacks' and the module's `on_train_batch_start` (which may
+        freeze parameters, replace the optimizer, ...); what hooks change later is followed at the next batch."""
+        if self.data_parallel:
+            self._follow_replica0()
 
     @override
     def teardown(self) -> None:
@@ -316,9 +323,6 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         """Run training_step on every shard (`ReplicaSet.forward`) and return the loss of the whole global batch."""
         if not self.data_parallel:
             return super().training_step(*args, **kwargs)
-        # optimizer_step followed replica 0 before its closure; again here, for micro-batches that only accumulate
-        # gradients and for what a hook changed since (a changed exchange takes over the one expected)
-        self._follow_replica0()
         n = batch_size_of(args[0])
         total = partial(int, n)  # N, the global batch's samples: with several processes, counted beside the replicas
         if self.multi_process:
@@ -338,7 +342,9 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward (its hooks, then the precision plugin's backward), with the gradient exchange inside it
-        when this backward ends a step: `on_after_backward` then sees the reduced gradient, as under DDP. One
+        unless Lightning blocks it (`block_backward_sync`, around the micro-batches that only accumulate): so the
+        backward of the step's last micro-batch exchanges, and `on_after_backward` sees the reduced gradient, as under
+        DDP. One
         backward through the gathered loss runs every replica's part of it (on several GPUs, at the same time on
         autograd's per-device threads), so it is one span of the step timeline, not one per replica."""
         module = self.lightning_module
@@ -349,10 +355,10 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             with phase("backward (all replicas)"):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
 
-        if self.exchange is None:  # a single replica: nothing to exchange
+        if self.exchange is None or self._accumulating:  # a single replica, or gradients that only accumulate
             backward()
         else:
-            self.exchange.in_backward(backward)
+            self.exchange.around_backward(backward, self._grad_norms_due())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -384,24 +390,21 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's step with the gradient exchange in the closure's backward, then every other replica takes
-        replica 0's parameters (or, with `zero_stage`, every replica its partition's update)."""
+        """Lightning's step with the gradient exchange in the closure's backward, then every other replica is to take
+        replica 0's parameters (at the next forward, `ReplicaSet.updated`; with `zero_stage`, every replica took its
+        partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # follow before the closure, so that overlap hooks made for new `requires_grad` flags are armed in it
-        self._follow_replica0()
-        # the closure runs for the last micro-batch only: its backward exchanges the buckets, before the user's
-        # hooks, clipping and the update. Replica 0's optimizer steps and the others take its parameters; the
-        # partitioned one (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
+        # the closure's backward exchanges the buckets, before the user's hooks, clipping and the update; the
+        # partitioned optimizer (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
-        self.exchange.expect(self.log_grad_norms and should_update_logs(replica0.trainer))
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         if (partitioned := self._partitioned()) is None:
             self.replica_set.drop_other_gradients()
-            self.replica_set.take_replica0_parameters()
+            self.replica_set.updated()  # they take replica 0's parameters once, before the next forward pass
         self._update_bytes = [] if partitioned is None else list(partitioned.bytes_sent)
         if any(True for _ in replica0.buffers()):
-            sync_every_buffer_(self.replicas, self.sync_buffers_mode, self.multi_process)
+            sync_every_buffer_(self.replica_set.modules, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
         if self.split_weights == "auto":
             self._fix_auto_split()
@@ -410,11 +413,27 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
         return out
 
     def _closure_with_exchange(self, closure: Callable[[], Any]) -> Any:
-        """Lightning's closure, then the expected exchange if its backward did not run it (a skipped batch): by the
-        exchange of the end of the closure, which a hook's change may have made anew inside it."""
+        """Lightning's closure, then the exchange if no backward ran one (a skipped batch: `training_step` returned
+        None, or a callback skips backward), over no new gradients, as every process must exchange."""
+        done = self.exchange.completed
         out = closure()
-        self.exchange.unless_done()
+        if self.exchange.completed == done:
+            self.exchange.around_backward(lambda: None, self._grad_norms_due())
         return out
+
+    def _grad_norms_due(self) -> bool:
+        """Whether this step's exchange takes each replica's gradient norm first (`log_grad_norms`, a logging step)."""
+        return self.log_grad_norms and should_update_logs(self.lightning_module.trainer)
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """DDP's `no_sync`: Lightning runs the micro-batches before a step's last one in it; they do not exchange."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def _fix_auto_split(self) -> None:
         """Fix the shares once `split_weights: auto` has measured every replica's rate (every process's rates are

@@ -10,7 +10,6 @@ replica's gradient norm before the exchange when asked.
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -212,7 +211,9 @@ class GradientExchange:
         replica_params: K lists of parameters, replica 0's first; entry i of each is the same parameter.
         algorithm: "ring" or "reduce_broadcast" (see `src.strategies.comm.allreduce`).
         cap_bytes: Bucket capacity in bytes; buckets are filled from the last parameter backwards.
-        overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready.
+        overlap: Reduce each bucket during backward, as soon as all K replicas' gradients of it are ready (of the
+            parameters that require a gradient when that backward starts: one exchange serves a whole fit while
+            callbacks freeze and unfreeze parameters).
         between: With several processes, the allreduce between them (`src.strategies.comm.hierarchical`); every
             bucket is then summed over every replica of every process. None: this process's replicas only.
         background: With `overlap`, run each bucket's exchange on a thread of its own, one bucket after another in
@@ -249,8 +250,8 @@ class GradientExchange:
         self.exchanged_beside_backward = 0  # buckets the last backward handed to the exchange thread
         self.bucket_fn = bucket_fn
         self._ready: BucketReadiness | None = None  # the hooks armed for this backward, between begin and finish
-        self._due: _Due | None = None  # the exchange the next `in_backward` runs (`expect`)
         self._grad_norms = False
+        self.completed = 0  # exchanges finished so far (a step that ran none after its closure still owes one)
 
     def around_backward(self, backward: Callable[[], Any], grad_norms: bool = False) -> Any:
         """Run `backward` (a backward pass, or Lightning's closure: forward, loss, backward) and leave every gradient
@@ -273,32 +274,6 @@ class GradientExchange:
             raise
         self.finish()
         return out
-
-    def expect(self, grad_norms: bool = False) -> None:
-        """Make the next `in_backward` exchange: the backward of Lightning's closure of the micro-batch that ends a
-        step (`grad_norms` as in `around_backward`); the closure ends with `unless_done`."""
-        self._due = _Due(grad_norms)
-
-    def hand_over(self, successor: "GradientExchange") -> None:
-        """Give an expected exchange to `successor`, the exchange made in this one's place (over new `requires_grad`
-        flags) before the expected backward ran."""
-        successor._due, self._due = self._due, None
-
-    def in_backward(self, backward: Callable[[], Any]) -> None:
-        """Run `backward`, with the exchange around it if one is expected (`expect`), else alone (a micro-batch that
-        only accumulates gradients)."""
-        due, self._due = self._due, None
-        if due is None:
-            backward()
-        else:
-            self.around_backward(backward, due.grad_norms)
-
-    def unless_done(self) -> None:
-        """After the step's closure: if no backward ran the expected exchange (a skipped batch), run it now, over no
-        new gradients, as every process must; then expect none."""
-        due, self._due = self._due, None
-        if due is not None:
-            self.around_backward(lambda: None, due.grad_norms)
 
     def begin(self, grad_norms: bool = False) -> None:
         """Before the backward pass of the micro-batch that ends a step: arm the overlap hooks (unless `grad_norms`,
@@ -343,6 +318,7 @@ class GradientExchange:
         self.bytes_uncompressed = list(self.bytes_sent)
         if self.compression is not None:  # replica 0's device sends the process's compressed sum
             self.bytes_uncompressed[0] += self.compression.bytes_uncompressed - self.compression.bytes_sent
+        self.completed += 1
 
     @property
     def reduced_in_backward(self) -> int | None:
@@ -386,13 +362,6 @@ class GradientExchange:
         first = next((e for e in errors if e is not None), None)
         if first is not None and raise_errors:
             raise first
-
-
-@dataclass(frozen=True)
-class _Due:
-    """An exchange expected in the next backward."""
-
-    grad_norms: bool  # take each replica's gradient norm before it
 
 
 def _grad_norm(params: list[nn.Parameter]) -> float:
