@@ -36,7 +36,7 @@ from src.run.threads import apply as use_threads
 from src.run.threads import choose_threads, saved_threads
 from src.strategies.compression_state import KEY as COMPRESSION_KEY
 from src.strategies.compression_state import describe as describe_compression
-from src.strategies.replica_checkpoints import ReplicaCheckpoints
+from src.strategies.split_allreduce import SplitAllreduceStrategy
 
 
 class CLI(LightningCLI):
@@ -141,7 +141,7 @@ class CLI(LightningCLI):
                                                           _experiment_dir(logger) or self._experiment)
             checkpoint = check_checkpoint(config["ckpt_path"], self.model)
             saved = (checkpoint or {}).get(COMPRESSION_KEY)
-            if self.subcommand == "fit" and saved and not isinstance(self.trainer.strategy, ReplicaCheckpoints):
+            if self.subcommand == "fit" and saved and not isinstance(self.trainer.strategy, SplitAllreduceStrategy):
                 rank_zero_info(f"gradient compression: the checkpoint's {describe_compression(saved)} state is not "
                                "used (this run's strategy does not read it)")
             if self.subcommand != "fit" and checkpoint is not None:

@@ -23,7 +23,6 @@ from src.layout import HeldBytes, ParallelLayout
 from src.run.lightning_compat import should_update_logs, sync_batchnorm_requested
 from src.batch_shares import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
-from src.strategies.replica_checkpoints import ReplicaCheckpoints
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import ProcessPartition, kept_buffer_bytes, world_allreduce
@@ -41,7 +40,7 @@ from src.strategies.zero import check_stage
 from src.timeline.labels import phase
 
 
-class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
+class SplitAllreduceStrategy(ProcessesParallelStrategy):
     """Data parallelism by hand: P processes (`trainer.devices` per node x `trainer.num_nodes`), each holding K
     model replicas (`devices` or `replicas_per_process`), every global batch split across all P x K of them.
 
@@ -214,6 +213,30 @@ class SplitAllreduceStrategy(ReplicaCheckpoints, ProcessesParallelStrategy):
             check_in_sync_between_processes(self.replicas[0], self.optimizer_steps)
 
     # ---- setup, checkpoints, teardown -----------------------------------------------------------------------
+    # checkpoints: rank 0's replica 0 and the optimizer state as one device holds them (with `zero_stage`, Lightning
+    # gathers it whole on rank 0 through `PartitionedOptimizer.consolidate_state_dict`), plus the gradient
+    # compression's state (`src.strategies.compression_state`); loading one gives every replica replica 0's weights
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load, keeping the checkpoint's compression state for the start of training."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._compression.keep_saved(checkpoint)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load the checkpoint into replica 0, then copy it to every other replica."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.replica_set is not None:
+            self.replica_set.load_from_replica0(strict)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add the compression's state (every process's error memory: a collective, so all ranks run it), then
+        write on rank 0 as Lightning does. A weights-only checkpoint gets none."""
+        self._compression.add_to(checkpoint, self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
     @override
     def setup_environment(self) -> None:
         """Check the layout (devices, weights) against P x K, then start the process group when P > 1."""
