@@ -275,3 +275,19 @@ def carry_hooks(source: torch.nn.Module, target: torch.nn.Module, share: bool = 
         hooks = getattr(source, table)
         setattr(target, table, hooks if share else type(hooks)(hooks))
     target._is_full_backward_hook = source._is_full_backward_hook
+
+
+def precision_with_clipping(plugin: Any, clipping: type) -> Any:
+    """A precision plugin of `plugin`'s class with `clipping`'s clipping methods first, holding plugin's settings.
+
+    Why no public door serves: Lightning chooses the precision plugin's class from `trainer.precision`, and its
+    gradient clipping (`Precision.clip_grad_by_norm` / `clip_grad_by_value`, reached from
+    `LightningModule.clip_gradients`) reads the whole gradients of `main_params(optimizer)`, which ZeRO stage 2
+    does not keep; a strategy has no clipping hook of its own. So the clipping is combined with whichever class was
+    chosen, once per fit. An optimizer that clips itself would make this go.
+    """
+    cls = type(f"{clipping.__name__}{type(plugin).__name__}", (clipping, type(plugin)), {})
+    made = cls.__new__(cls)
+    made.__dict__.update(vars(plugin))
+    return made
+

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from src.layout import HeldBytes
 from src.run.checkpoints import optimizer_state_by_position
-from src.run.lightning_compat import current_hook
+from src.run.lightning_compat import current_hook, precision_with_clipping
 from src.strategies.comm.gradient_exchange import bucket_indices
 from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.partitions import Partitions
@@ -180,7 +180,4 @@ def over_partitions(plugin: Precision) -> Precision:
     `plugin` itself if it already clips partitions."""
     if isinstance(plugin, PartitionClipping):
         return plugin
-    cls = type(f"Partitioned{type(plugin).__name__}", (PartitionClipping, type(plugin)), {})
-    made = cls.__new__(cls)
-    made.__dict__.update(vars(plugin))
-    return made
+    return precision_with_clipping(plugin, PartitionClipping)
