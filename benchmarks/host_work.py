@@ -30,6 +30,7 @@ import contextlib
 import copy
 import importlib
 import io
+import math
 import statistics
 import tempfile
 import time
@@ -280,6 +281,90 @@ def _plain(recipe: dict, batch: int, warmup: int, timed: int) -> float:
         return plain_step(_lenet(recipe), recipe, batch, "32-true", device="cpu", warmup=warmup, timed=timed)
 
 
+#: the per-step hooks Lightning calls on every callback of a training step, with their arguments after (trainer, module)
+_STEP_HOOKS = {"on_train_batch_start": (None, 0), "on_before_backward": (None,), "on_after_backward": (),
+               "on_before_optimizer_step": (None,), "on_before_zero_grad": (None,), "on_train_batch_end": (None, None, 0)}
+
+
+def _us_per_call(fn: Callable[[], object], calls: int = 2000, repeats: int = 5) -> float:
+    """Microseconds per call of `fn`: the fastest of `repeats` timings of `calls` calls (noise only adds time)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def _dispatch_us(extra: int) -> float:
+    """µs per step that Lightning's callback dispatch spends on `extra` callbacks with no per-step hook of their own
+    (each of the six per-step hooks is called on each, as Lightning calls every hook on every callback)."""
+    from lightning.pytorch.trainer import call
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module = pl.LightningModule()
+    trainer.strategy._lightning_module, module.trainer = module, trainer  # a module to dispatch to, as in a fit
+
+    def step(callbacks: list) -> Callable[[], None]:
+        def run() -> None:
+            trainer.callbacks = callbacks
+            for hook, args in _STEP_HOOKS.items():
+                call._call_callback_hooks(trainer, hook, *args)
+        return run
+
+    return _us_per_call(step([pl.Callback() for _ in range(extra + 1)])) - _us_per_call(step([pl.Callback()]))
+
+
+def parts(batch: int) -> list[tuple[str, float]]:
+    """(part, µs per step) of what the app's step does beyond plain Lightning's, each timed alone on the CPU, one
+    thread: the dispatch of a callback with no per-step work, the training metrics' updates, the non-finite watch,
+    one batch of the app's loader and its normalisation, the lr schedule's step, and last.ckpt's save (once every
+    `configs/lenet.yaml`'s 50 steps) spread over the steps."""
+    from src.data.fashion_mnist import MEAN, STD
+    from src.data.loader import GlobalBatchSampler, TensorBatchLoader
+    from src.models.classifier import LeNetClassifier
+    from src.run.checkpoints import AtomicCheckpointIO
+
+    torch.manual_seed(0)
+    module = LeNetClassifier(**_recipe())
+    logits, y, loss = torch.randn(batch, 10), torch.randint(0, 10, (batch,)), torch.tensor(2.3)
+    images, labels = torch.randint(0, 256, (4096, 28, 28), dtype=torch.uint8), torch.randint(0, 10, (4096,))
+    loader = TensorBatchLoader(images, labels, GlobalBatchSampler(len(labels), batch, shuffle=True, drop_last=True))
+    batches = iter(())
+
+    def one_batch() -> None:
+        nonlocal batches
+        try:
+            x, _ = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, _ = next(batches)
+        x.unsqueeze(1).float().div_(255.0).sub_(MEAN).div_(STD)
+
+    opt = recipe_sgd(module.net, _recipe(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, 10**6) / 10**6)))
+    module.loss_fn(module.net(torch.randn(2, 1, 28, 28)), torch.zeros(2, dtype=torch.long)).backward()
+    opt.step()
+    checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [opt.state_dict()],
+                  "lr_schedulers": [sched.state_dict()], "hyper_parameters": dict(module.hparams)}
+    every = next(c["init_args"]["every_n_train_steps"] for c in yaml.safe_load(open("configs/lenet.yaml"))["trainer"]
+                 ["callbacks+"] if c["class_path"] == "src.callbacks.LastCheckpoint")
+    with tempfile.TemporaryDirectory(prefix="host-work-ckpt-") as folder:
+        io_ = AtomicCheckpointIO()
+        save_ms = _us_per_call(lambda: io_.save_checkpoint(checkpoint, Path(folder) / "last.ckpt"), calls=10) / 1e3
+
+    return [("Lightning's dispatch of 1 callback that has no per-step hook", _dispatch_us(6) / 6),
+            ("the training metrics' update (train/acc, train/loss_epoch)",
+             _us_per_call(lambda: module.train_totals.update(logits, y, loss))),
+            ("the non-finite watch of the loss", _us_per_call(lambda: module._nonfinite.watch(loss, 0, 0, 0))),
+            ("a batch of the app's loader, normalised", _us_per_call(one_batch)),
+            ("the lr schedule's step", _us_per_call(sched.step)),
+            (f"writing last.ckpt ({save_ms:.1f} ms) once every {every} steps", save_ms * 1e3 / every)]
+
+
 def table(times: dict[int, dict[str, list[float]]]) -> list[str]:
     """The markdown table: each row's median ms per step at each batch, then the two ratios."""
     batches = list(times)
@@ -303,7 +388,18 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=30, help="steps before the timed window")
     parser.add_argument("--timed", type=int, default=100, help="steps in the timed window")
+    parser.add_argument("--parts", action="store_true", help="instead: time each part of the app's step that plain "
+                        "Lightning's lacks, alone (`parts`)")
     args = parser.parse_args(argv)
+    if args.parts:
+        torch.set_num_threads(1)
+        lines = ["| part of the app's step | " + " | ".join(f"µs/step, batch {b}" for b in args.batches.split(","))
+                 + " |", "|---|" + "---|" * len(args.batches.split(","))]
+        measured = [parts(int(b)) for b in args.batches.split(",")]
+        lines += [f"| {name} | " + " | ".join(f"{m[i][1]:.1f}" for m in measured) + " |"
+                  for i, (name, _) in enumerate(measured[0])]
+        print("\n".join(lines))
+        return lines
     from src.data.synthetic import write_fashion_mnist
 
     batches = [int(b) for b in args.batches.split(",")]

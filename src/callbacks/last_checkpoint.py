@@ -41,6 +41,14 @@ class LastCheckpoint(ModelCheckpoint):
             raise ValueError(f"every_n_minutes must be a positive number of minutes or null, got {every_n_minutes}")
         self.every_n_minutes = every_n_minutes
         self._saved_at = time.monotonic()
+        # Lightning names each hook call of every callback by its state key, six times a step: ModelCheckpoint's
+        # builds the key's text from its settings at each call, which are fixed from here on
+        self._state_key = super().state_key
+
+    @property
+    def state_key(self) -> str:
+        """ModelCheckpoint's key of this callback's state in checkpoints (made once, from its settings)."""
+        return self._state_key
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)

@@ -11,7 +11,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 from src.run.lightning_compat import add_logged_hparam, attached_trainer
 from src.models import LeNet, ResNet18, init_weights
-from src.models.metrics import MeanLoss, Misclassified
+from src.models.metrics import Misclassified, TrainingTotals
 from src.models.nonfinite import NonfiniteWatch
 
 
@@ -114,10 +114,9 @@ class ImageClassifier(pl.LightningModule):
         if channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.train_totals = TrainingTotals()  # the epoch's train/acc and train/loss_epoch, one update per step
         # validate_args=False: torchmetrics' checks of every update run torch.unique on the targets, a host sync per
         # batch on a GPU; the targets here come from this project's own loaders, int64 class indices
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
-        self.train_loss = MeanLoss()
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         # per-class results, read and reset by src.callbacks.class_report.ClassReport at the end of each evaluation
@@ -204,8 +203,7 @@ class ImageClassifier(pl.LightningModule):
             return None
         # Accumulate epoch values in metrics and call self.log only on steps that reach the loggers: each
         # self.log call costs Lightning about 1 ms (3% of a LeNet step on 2 CPU cores).
-        self.train_acc.update(logits, y)
-        self.train_loss.update(loss, len(y))
+        self.train_totals.update(logits, y, loss)
         trainer = self.trainer
         every = trainer.log_every_n_steps
         # the logging steps (Lightning's test: optimizer steps so far + 1 divisible by log_every_n_steps) and the
@@ -264,12 +262,12 @@ class ImageClassifier(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         # compute() merges the processes' states under DDP; the split strategy merges its replicas' each step
-        if self.train_acc.update_count:
-            # compute() gives every process the same value, which the max over processes keeps exactly
-            self.log("train/acc", self.train_acc.compute(), sync_dist=True, reduce_fx="max")
-            self.log("train/loss_epoch", self.train_loss.compute(), prog_bar=True, sync_dist=True, reduce_fx="max")
-        self.train_acc.reset()
-        self.train_loss.reset()
+        if self.train_totals.update_count:
+            # compute() gives every process the same values, which the max over processes keeps exactly
+            acc, loss = self.train_totals.compute()
+            self.log("train/acc", acc, sync_dist=True, reduce_fx="max")
+            self.log("train/loss_epoch", loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.train_totals.reset()
 
     def _eval_step(self, batch: tuple[Tensor, ...], stage: str, metric: MulticlassAccuracy,
                    confmat: MulticlassConfusionMatrix, misclassified: Misclassified | None = None) -> None:
