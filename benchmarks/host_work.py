@@ -30,7 +30,6 @@ import contextlib
 import copy
 import importlib
 import io
-import math
 import statistics
 import tempfile
 import time
@@ -283,7 +282,8 @@ def _plain(recipe: dict, batch: int, warmup: int, timed: int) -> float:
 
 #: the per-step hooks Lightning calls on every callback of a training step, with their arguments after (trainer, module)
 _STEP_HOOKS = {"on_train_batch_start": (None, 0), "on_before_backward": (None,), "on_after_backward": (),
-               "on_before_optimizer_step": (None,), "on_before_zero_grad": (None,), "on_train_batch_end": (None, None, 0)}
+               "on_before_optimizer_step": (None,), "on_before_zero_grad": (None,),
+               "on_train_batch_end": (None, None, 0)}
 
 
 def _us_per_call(fn: Callable[[], object], calls: int = 2000, repeats: int = 5) -> float:
@@ -325,7 +325,7 @@ def parts(batch: int) -> list[tuple[str, float]]:
     `configs/lenet.yaml`'s 50 steps) spread over the steps."""
     from src.data.fashion_mnist import MEAN, STD
     from src.data.loader import GlobalBatchSampler, TensorBatchLoader
-    from src.models.classifier import LeNetClassifier
+    from src.models.classifier import LeNetClassifier, _warmup_then
     from src.run.checkpoints import AtomicCheckpointIO
 
     torch.manual_seed(0)
@@ -345,7 +345,7 @@ def parts(batch: int) -> list[tuple[str, float]]:
         x.unsqueeze(1).float().div_(255.0).sub_(MEAN).div_(STD)
 
     opt = recipe_sgd(module.net, _recipe(), lr=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, 10**6) / 10**6)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_then(1000, 10**6, cosine=True))  # the recipe's shape
     module.loss_fn(module.net(torch.randn(2, 1, 28, 28)), torch.zeros(2, dtype=torch.long)).backward()
     opt.step()
     checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [opt.state_dict()],
