@@ -33,3 +33,16 @@ def test_the_ratios_are_the_medians_ratios():
     # medians: bare 4, plain 5.5, app 8, seed 5, ours 11 -> 8 / 5.5; (11 - 8) / (5 - 4)
     assert "| **the app / plain Lightning** | **1.45** |" in lines
     assert "| **a second replica: ours / the seed loop** | **3.00** (3.00 / 1.00 ms) |" in lines
+
+
+def test_parts_times_each_part_the_plain_step_lacks(monkeypatch):
+    """`--parts` prints one row per part, each a positive time, and the dispatch row is the difference a callback
+    makes: with the dispatch made free of charge, it reads about zero."""
+    lines = host_work.main(["--parts", "--batches", "2"])
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in lines[2:]}
+    assert len(rows) == 6 and all(v > 0 for v in rows.values()), lines
+    assert any("dispatch" in name for name in rows) and any("last.ckpt" in name for name in rows)
+    from lightning.pytorch.trainer import call
+
+    monkeypatch.setattr(call, "_call_callback_hooks", lambda *args, **kwargs: None)
+    assert abs(host_work._dispatch_us(6)) < 3.0  # against 10-20 µs measured: the dispatch, not the harness
