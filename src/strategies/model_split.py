@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from typing_extensions import override
 
+from src.strategies.comm.gradient_exchange import copy_back_, flatten
 from src.strategies.limits import refuse_manual_optimization
 from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 
@@ -185,12 +186,9 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         if not grads:
             return
         n = torch.tensor([float(self._samples)], dtype=grads[0].dtype, device=grads[0].device)
-        flat = torch.cat([g.reshape(-1) * n for g in grads] + [n])
+        flat = flatten([g * n for g in grads] + [n])  # the exchange's flat buffer, with N summed at its end
         dist.all_reduce(flat, group=self.group("dp"))
-        total, offset = flat[-1], 0
-        for g in grads:
-            g.copy_((flat[offset:offset + g.numel()] / total).view_as(g))
-            offset += g.numel()
+        copy_back_(flat[:-1] / flat[-1], grads)
 
     # ---- one device's model at the end of each run ------------------------------------------------------------
     def make_whole(self) -> None:
