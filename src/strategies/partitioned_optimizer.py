@@ -2,10 +2,13 @@
 over the replicas (`src.strategies.partitions.Partitions`), as torch's `ZeroRedundancyOptimizer` is one optimizer over
 shards. Its `param_groups` are the user's own list, so an lr set through a hook's `optimizer` argument, a scheduler
 or `trainer.optimizers[0]` is the one the partitions step with; `state_dict()` is one device's, whole; hooks receive
-it. And the precision plugin that clips stage 2's partitions when Lightning clips (`over_partitions`).
+it. It updates every replica itself (its partitions' update, then the all-gather of the parameters), so it is a
+`ReplicaUpdate`: what the strategy asks, after Lightning's step, of the optimizer Lightning holds (a plain one is
+asked through the strategy's `WholeUpdate`). And the precision plugin that clips stage 2's partitions when Lightning clips
+(`over_partitions`).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
@@ -14,12 +17,48 @@ from torch.optim import Optimizer
 from src.layout import HeldBytes
 from src.run.checkpoints import optimizer_state_by_position
 from src.run.lightning_compat import current_hook, precision_with_clipping
-from src.strategies.comm.gradient_exchange import bucket_indices
+from src.strategies.comm.gradient_exchange import GradientExchange
 from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.partitions import Partitions
 
+if TYPE_CHECKING:
+    from src.strategies.replicas import ReplicaSet
 
-class PartitionedOptimizer(Optimizer):
+
+class ReplicaUpdate:
+    """What `SplitAllreduceStrategy` asks of the optimizer Lightning holds, around Lightning's optimizer step: whose
+    user's optimizer it is, how it takes part in the gradient exchange, what brings every replica to the update, what
+    each replica holds, and the user's optimizer whole at teardown. `PartitionedOptimizer` answers for itself;
+    `src.strategies.split_allreduce.WholeUpdate` for a plain optimizer."""
+
+    @property
+    def source(self) -> Optimizer | None:
+        """The user's optimizer (None: there is none)."""
+        raise NotImplementedError
+
+    def attach(self, exchange: GradientExchange) -> None:
+        """Take part in `exchange`, the gradient exchange of this fit loop (e.g. as its bucket operation)."""
+        raise NotImplementedError
+
+    def after_step(self, replicas: "ReplicaSet") -> list[int]:
+        """After Lightning's step: leave every other replica of `replicas` to hold replica 0's update.
+
+        Returns:
+            Bytes each replica's device sent doing so (empty: none were sent).
+        """
+        raise NotImplementedError
+
+    def held_bytes(self, replicas: "ReplicaSet", gradient_bytes: list[int]) -> list[HeldBytes]:
+        """Per replica of this process, what it holds; `gradient_bytes` is each replica's `.grad` bytes after the
+        last backward (`GradientExchange.gradient_bytes`)."""
+        raise NotImplementedError
+
+    def release(self) -> Optimizer | None:
+        """The user's optimizer as one device leaves it after fit."""
+        raise NotImplementedError
+
+
+class PartitionedOptimizer(Optimizer, ReplicaUpdate):
     """The user's optimizer, stepped as partitions.
 
     Not `Optimizer.__init__`: the param groups are the source's list itself, and the state lives in the
@@ -39,16 +78,17 @@ class PartitionedOptimizer(Optimizer):
         partitions.source.state.clear()  # the same dict: the strategy's watch of the source sees no new state
 
     @classmethod
-    def over(cls, source: Optimizer, module: Any, params: list[list[Any]], stage: int, cap_bytes: int,
+    def over(cls, source: Optimizer, module: Any, exchange: GradientExchange, stage: int,
              processes: ProcessPartition | None) -> "PartitionedOptimizer":
-        """The user's optimizer `source` partitioned over the replicas' `params` (K aligned lists, replica 0's being
-        `module`'s) at `stage`, by the buckets of `cap_bytes` the exchange makes (`bucket_indices`).
+        """The user's optimizer `source` partitioned at `stage` over the replicas of `exchange` (K aligned parameter
+        lists, replica 0's being `module`'s), by the exchange's own buckets (`GradientExchange.buckets`: one plan
+        for the exchange and the partitions). `attach` then makes stage 2's reduce-scatter the exchange's.
 
         Raises:
             RuntimeError: From `Partitions`.
         """
         names = [n for n, _ in module.named_parameters()]
-        return cls(Partitions(source, params, bucket_indices(params[0], cap_bytes), stage, processes, names,
+        return cls(Partitions(source, [list(ps) for ps in exchange.params], exchange.buckets, stage, processes, names,
                               lambda: current_hook(module)))
 
     @property
@@ -127,8 +167,23 @@ class PartitionedOptimizer(Optimizer):
         """Clip by the global norm of the job's reduced gradient (`Partitions.clip_grad_norm_`)."""
         return self.partitions.clip_grad_norm_(max_norm)
 
-    def held_bytes(self) -> list[HeldBytes]:
-        """Per replica of this process, what it holds (`Partitions.held_bytes`)."""
+    def attach(self, exchange: GradientExchange) -> None:
+        """At stage 2, make the partitions' reduce-scatter `exchange`'s bucket operation (each bucket's gradients
+        go to the replica whose partition holds them); at stage 1 the exchange allreduces them, as at stage 0."""
+        exchange.bucket_fn = self.partitions.reduce_scatter_bucket_ if self.partitions.stage == 2 else None
+
+    def after_step(self, replicas: "ReplicaSet") -> list[int]:
+        """Nothing left to do: every replica took its partition's update and the all-gather of the parameters.
+
+        Returns:
+            Bytes each replica's device sent in that all-gather.
+        """
+        return list(self.partitions.bytes_sent)
+
+    def held_bytes(self, replicas: "ReplicaSet | None" = None, gradient_bytes: list[int] | None = None
+                   ) -> list[HeldBytes]:
+        """Per replica of this process, what it holds, counted by the partitions themselves
+        (`Partitions.held_bytes`; the arguments are not needed)."""
         return self.partitions.held_bytes()
 
     def release(self) -> Optimizer:

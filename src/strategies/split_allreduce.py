@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from src.layout import HeldBytes, ParallelLayout
@@ -35,7 +36,7 @@ from src.strategies.replica_sync import check_in_sync_between_processes, check_r
 from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 from src.strategies.replicas import ReplicaSet
 from src.strategies.scatter_gather import batch_size_of, gather_losses
-from src.strategies.partitioned_optimizer import PartitionedOptimizer, over_partitions
+from src.strategies.partitioned_optimizer import PartitionedOptimizer, ReplicaUpdate, over_partitions
 from src.strategies.zero import check_stage
 from src.timeline.labels import phase
 
@@ -119,7 +120,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         self.replica_set: ReplicaSet | None = None  # made at setup; kept after teardown, its replicas dropped
         self.exchange: GradientExchange | None = None  # made at train start; kept after fit (byte counts, buckets)
         self.zero_stage = zero_stage
-        self._update_bytes: list[int] = []  # with zero_stage: bytes each device sent in the last all-gather
+        self._update_sent: list[int] = []  # bytes each device sent in the last update's own exchange (`ReplicaUpdate`)
         self._batch_count: GlobalBatchCount | None = None  # N of each global batch, with several processes
         self._accumulating = False  # inside Lightning's `block_backward_sync`: a backward that does not exchange
 
@@ -164,21 +165,19 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
 
     @property
     def bytes_sent(self) -> list[int]:
-        """Bytes each device sent in the last optimizer step's gradient exchange (its allreduce, or at `zero_stage` 2
-        its reduce-scatter) and, with `zero_stage`, the all-gather of the parameters."""
+        """Bytes each device sent in the last optimizer step's gradient exchange (its allreduce, or its bucket
+        operation) and in the update's own exchange (`ReplicaUpdate.after_step`: ZeRO's all-gather of the parameters)."""
         sent = self.exchange.bytes_sent if self.exchange is not None else []
-        return [a + b for a, b in zip(sent, self._update_bytes)] if self._update_bytes else list(sent)
+        return [a + b for a, b in zip(sent, self._update_sent)] if self._update_sent else list(sent)
 
     def model_state_bytes(self) -> list[HeldBytes]:
         """Per replica of this process: bytes of its "parameters", its "gradients" at their peak in the last step and
-        "gradients_at_update", its "optimizer_state" now (with `zero_stage`, its partition's), counted from its
-        tensors; replica 0's row adds the process's kept receive buffers ("exchange_buffers"). Empty before training."""
-        if self._partitioned() is not None:
-            held = self._partitioned().held_bytes()
-        elif self.exchange is None or self.replica_set is None or not self.replica_set.modules:
+        "gradients_at_update", its "optimizer_state" now (under ZeRO, its partition's), counted from its tensors
+        (`ReplicaUpdate.held_bytes`); replica 0's row adds the process's kept receive buffers ("exchange_buffers").
+        Empty before training."""
+        if self.exchange is None or self.replica_set is None or not self.replica_set.modules:
             return []
-        else:
-            held = self.replica_set.held_bytes(self.optimizers[0], self.exchange.gradient_bytes)
+        held = self._update().held_bytes(self.replica_set, self.exchange.gradient_bytes)
         return [{**row, "exchange_buffers": kept_buffer_bytes() if k == 0 else 0} for k, row in enumerate(held)]
 
     @property
@@ -213,8 +212,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             check_in_sync_between_processes(self.replicas[0], self.optimizer_steps)
 
     # ---- setup, checkpoints, teardown -----------------------------------------------------------------------
-    # checkpoints: rank 0's replica 0 and the optimizer state as one device holds them (with `zero_stage`, Lightning
-    # gathers it whole on rank 0 through `PartitionedOptimizer.consolidate_state_dict`), plus the gradient
+    # checkpoints: rank 0's replica 0 and the optimizer state as one device holds them (under ZeRO, Lightning gathers
+    # it whole on rank 0 through the partitioned optimizer's `consolidate_state_dict`), plus the gradient
     # compression's state (`src.strategies.compression_state`); loading one gives every replica replica 0's weights
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -257,33 +256,35 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Make the exchange and, with `zero_stage`, the partitioned optimizer (after a checkpoint was restored)."""
+        """Follow replica 0 afresh and make the exchange (after a checkpoint was restored)."""
         if not self.data_parallel:
             return
         wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
-        self._make_exchange()
         self._batch_count = GlobalBatchCount(self.global_rank, self.total_replicas, self.root_device)
 
-    def _partitioned(self) -> PartitionedOptimizer | None:
-        """The optimizer Lightning holds, if it is the partitioned one (`zero_stage`, from train start to teardown)."""
+    def _update(self) -> ReplicaUpdate:
+        """What the optimizer Lightning holds answers around its step (`ReplicaUpdate`): itself if it updates every
+        replica itself, else `WholeUpdate` over it."""
         held = self.optimizers[0] if self.optimizers else None
-        return held if isinstance(held, PartitionedOptimizer) else None
+        return held if isinstance(held, ReplicaUpdate) else WholeUpdate(held)
 
     def _follow_replica0(self, anew: bool = False) -> None:
-        """Carry what changed on replica 0 to the other replicas; with `zero_stage`, make the partitions around the
-        user's optimizer (at train start, or when a callback replaced it)."""
-        partitioned = self._partitioned()
-        source = partitioned.source if partitioned is not None else self.optimizers[0] if self.optimizers else None
-        self.replica_set.follow([source, *self.optimizers[1:]], anew)
-        if self.zero_stage and partitioned is None:
-            params = [list(ps) for ps in self.replica_set.params]
-            self.optimizers = [PartitionedOptimizer.over(source, self.lightning_module, params, self.zero_stage,
-                                                         self.bucket_cap_bytes, ProcessPartition(self.process_algorithm)
-                                                         if self.multi_process else None)]
+        """Carry what changed on replica 0 to the other replicas; `anew` (train start): make the exchange. With
+        `zero_stage`, partition the user's optimizer over the exchange's buckets (at train start, or when a callback
+        replaced it), and attach what Lightning holds to the exchange."""
+        update = self._update()
+        self.replica_set.follow([update.source, *self.optimizers[1:]], anew)
+        if anew:
+            self._make_exchange()
+        if self.zero_stage and not isinstance(update, PartitionedOptimizer):
+            update = PartitionedOptimizer.over(update.source, self.lightning_module, self.exchange, self.zero_stage,
+                                               ProcessPartition(self.process_algorithm) if self.multi_process else None)
+            self.optimizers = [update]
             if self.zero_stage == 2:  # Lightning's clipping then clips the partitions (no whole gradient is kept)
                 self.precision_plugin = over_partitions(self.precision_plugin)
+        update.attach(self.exchange)  # e.g. stage 2's reduce-scatter as the exchange's bucket operation
 
     def _make_exchange(self) -> None:
         """Make the gradient exchange of the fit loop now starting (the lr finder runs one before fit's own). It stays
@@ -293,10 +294,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         between = world_allreduce(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
-        # stage 2: the reduce-scatter of the partitioned optimizer held when the bucket goes (a callback may replace it)
-        op = (lambda *b: self._partitioned().partitions.reduce_scatter_bucket_(*b)) if self.zero_stage == 2 else None
         self.exchange = GradientExchange(self.replica_set.params, self.algorithm, self.bucket_cap_bytes, self.overlap,
-                                         between, background, self.compression, op)
+                                         between, background, self.compression)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -311,8 +310,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         exchange stays, so its byte counts and buckets can be read after fit."""
         if self.exchange is not None:
             self.exchange.remove()
-        if self._partitioned() is not None:  # the user's optimizer whole again, as one device leaves it
-            self.optimizers = [self._partitioned().release()]
+        if self.optimizers and (whole := self._update().release()) is not self.optimizers[0]:
+            self.optimizers = [whole]  # the user's optimizer whole again, as one device leaves it
         if self.replica_set is not None:
             self.replica_set.remove()
         super().teardown()
@@ -414,18 +413,15 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's step with the gradient exchange in the closure's backward, then every other replica is to take
-        replica 0's parameters (at the next forward, `ReplicaSet.updated`; with `zero_stage`, every replica took its
-        partition's update)."""
+        replica 0's update (`ReplicaUpdate.after_step`: at the next forward, `ReplicaSet.updated`; under ZeRO, every
+        replica took its partition's update)."""
         if not self.data_parallel:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # the closure's backward exchanges the buckets, before the user's hooks, clipping and the update; the
-        # partitioned optimizer (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
+        # the closure's backward exchanges the buckets, before the user's hooks, clipping and the update; a
+        # partitioned optimizer (ZeRO) updates each replica's partition and all-gathers the parameters itself
         replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
-        if (partitioned := self._partitioned()) is None:
-            self.replica_set.drop_other_gradients()
-            self.replica_set.updated()  # they take replica 0's parameters once, before the next forward pass
-        self._update_bytes = [] if partitioned is None else list(partitioned.bytes_sent)
+        self._update_sent = self._update().after_step(self.replica_set)
         if any(True for _ in replica0.buffers()):
             sync_every_buffer_(self.replica_set.modules, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
@@ -473,6 +469,36 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         from src.strategies.measures import SplitAllreduceCounters
 
         return SplitAllreduceCounters(self)
+
+
+class WholeUpdate(ReplicaUpdate):
+    """A plain optimizer's `ReplicaUpdate`: it updates replica 0 whole, and the other replicas take replica 0's
+    parameters before the next forward pass (`ReplicaSet.updated`).
+
+    Args:
+        optimizer: The optimizer Lightning holds (None: there is none).
+    """
+
+    def __init__(self, optimizer: Optimizer | None) -> None:
+        self._optimizer = optimizer
+
+    @property
+    def source(self) -> Optimizer | None:
+        return self._optimizer
+
+    def attach(self, exchange: GradientExchange) -> None:
+        """Nothing: the exchange allreduces the gradients."""
+
+    def after_step(self, replicas: ReplicaSet) -> list[int]:
+        replicas.drop_other_gradients()
+        replicas.updated()  # they take replica 0's parameters once, before the next forward pass
+        return []
+
+    def held_bytes(self, replicas: ReplicaSet, gradient_bytes: list[int]) -> list[HeldBytes]:
+        return replicas.held_bytes(self._optimizer, gradient_bytes)
+
+    def release(self) -> Optimizer | None:
+        return self._optimizer
 
 
 # `trainer.strategy: split_allreduce` works once this module is imported

@@ -225,7 +225,8 @@ class GradientExchange:
             error memory) from exchange to exchange.
         bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and
             returns the bytes each device sent: ZeRO stage 2's reduce-scatter
-            (`src.strategies.partitions.Partitions.reduce_scatter_bucket_`). None: the allreduce.
+            (`src.strategies.partitions.Partitions.reduce_scatter_bucket_`, which the partitioned optimizer built
+            over this exchange's `buckets` sets as `bucket_fn` when attached to it). None: the allreduce.
 
     Raises:
         ValueError: An unknown algorithm.
