@@ -320,7 +320,7 @@ def model_split(name: str) -> bool:
 
 def split_row(model: str, name: str) -> dict:
     """The forecast's description of a pipeline or tensor-parallel layout on 2 machines, as
-    `src.scaling.three_ways_measured` reads a measured row."""
+    `benchmarks.three_ways.predict_row` reads a measured row."""
     pipeline = name.startswith("pipeline")
     return {"model": model, "way": "pipeline" if pipeline else "tensor_parallel", "processes": 2,
             "schedule": name.split()[1] if pipeline else None, "batch": MODELS[model][1],
@@ -332,7 +332,7 @@ def split_predicted(model: str, name: str, rate: str, overhead_s: float, seconds
                     sync_overhead: float | None = None) -> SimpleNamespace:
     """The three ways' forecast (`src.scaling.three_ways`) of a pipeline or tensor-parallel layout on 2 lab machines
     at `rate`, with one replica's measured compute, in the fields `print_table` reads (nothing hidden)."""
-    from src.scaling.three_ways_measured import predict_row
+    from benchmarks.three_ways import predict_row
 
     figures, _ = predict_row(split_row(model, name), "lab", link_rate=None if rate == "none" else rate,
                              overhead_s=overhead_s, seconds_per_image=seconds_per_image, sync_overhead=sync_overhead)
