@@ -13,13 +13,13 @@ from src.scaling.cost_fit import fit_alpha_beta, fit_line, relative_errors
 from src.scaling.cost_model import (ALGORITHMS, Compute, Job, Link, Links, allreduce_s, expected_max_normal,
                                     hierarchical_s, predict_step, reduce_broadcast_s, ring_allreduce_s)
 from src.scaling.predictor import Paths, Question, main, predict
+from src.scaling.forecast_files import newest_report
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, shaped
 from src.scaling.model_counts import DDP_BUCKET_BYTES, inspect_network
 from src.scaling.published import bounds_for
-from src.scaling.report import newest_report
 from src.scaling.sources import DEFAULT_CALIBRATION, Overrides, load_calibration
-from src.scaling.version_folders import next_version
 from src.strategies.comm.exchange_names import EXCHANGES
+from src.version_folders import next_version
 from tests.helpers.calibration import write_calibration
 
 BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link

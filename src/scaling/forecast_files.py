@@ -1,4 +1,5 @@
-"""The scaling predictor's files: forecast.md (table and assumptions), forecast.csv and forecast.png.
+"""The scaling predictor's files: forecast.md (table and assumptions), forecast.csv and forecast.png, each forecast in
+a `version_N` folder of its own (`src.version_folders`), and the scaling report's rows it draws.
 
 Each file is written under a temporary name and renamed, so a reader never sees half a file.
 """
@@ -212,3 +213,27 @@ def forecast_figure(rows: list[Row], title: str, measured: Sequence[dict] = ()) 
     fig.legend(*ax_eff.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     fig.suptitle(f"{title} (predicted)", fontsize=9)
     return fig
+
+
+def newest_report(model_dir: Path, accelerator: str) -> tuple[list[dict], Path | None]:
+    """The rows of the newest scaling report in `model_dir` measured on `accelerator`, read from its scaling.csv.
+
+    Reports are `model_dir/version_N/scaling.csv`, newest = highest N. A report without the `accelerator`
+    column (written before it existed) is skipped: what its devices were cannot be told from its rows.
+
+    Args:
+        model_dir: `<out>/<model>` of `src.scaling_report.run_scaling`; it need not exist.
+        accelerator: "cpu" or "gpu".
+
+    Returns:
+        (rows as dicts of strings keyed by scaling.csv's header, `src.scaling_report.Row`'s fields; the report's
+        folder), or ([], None) if none.
+    """
+    numbered = [p for p in model_dir.glob("version_*/scaling.csv") if p.parent.name.split("_", 1)[1].isdigit()]
+    versions = sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))
+    for csv_path in reversed(versions):
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and all(r.get("accelerator") == accelerator for r in rows):
+            return rows, csv_path.parent
+    return [], None

@@ -28,22 +28,21 @@ from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
 from src.scaling.forecast_args import group, parse_options
-from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
+from src.scaling.forecast_files import forecast_row, newest_report, write_csv, write_markdown, write_plot
 from src.scaling.forecast_notes import EXCHANGE_NOTE, JITTER_NOTE, network_note, sync_note
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, list_choices_in_help, shaped
 from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS
 from src.scaling.memory_section import MemoryPlan, answer_lines, assumptions, markdown_section, memory_plan, stage_gib
 from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import PRECISIONS, bounds_for
-from src.scaling.report import newest_report
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.step_precision import config_precision, precision_line
 from src.scaling.three_ways import Setting
 from src.scaling.three_ways_section import (Ways, forecast_ways, markdown_section as ways_section, table_lines,
                                             write_csv as write_layouts)
-from src.scaling.version_folders import next_version
 from src.strategies.comm.exchange_names import COMPRESSIONS
+from src.version_folders import next_version
 
 Algorithm = Literal[ALGORITHMS]
 TRAIN_IMAGES = 60_000  # Fashion-MNIST's training set, before the validation hold-out
