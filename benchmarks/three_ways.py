@@ -69,7 +69,7 @@ import lightning.pytorch as pl
 import torch
 
 from src.scaling.sources import DEFAULT_CALIBRATION
-from src.scaling.three_ways import Layout, LayoutFigures, predict_layout
+from src.scaling.three_ways import Layout, LayoutFigures, cut_starts_of, predict_layout
 
 warnings.filterwarnings("ignore")
 WAYS = ("one_device", "one_core", "data", "pipeline_gpipe", "pipeline_1f1b", "tensor_parallel")
@@ -351,8 +351,6 @@ def load_measured(path: str | Path) -> dict:
 
 def _layout(row: dict, profile: object) -> Layout:
     """The layout a measured row ran."""
-    from src.strategies.pipeline_stages import cut_starts
-
     way, p = row["way"], int(row["processes"])
     if way in ("one_device", "one_core"):
         return Layout("data", 1)
@@ -360,7 +358,7 @@ def _layout(row: dict, profile: object) -> Layout:
         return Layout("data", p, 1, int(row.get("zero_stage") or 0))
     if way == "pipeline":
         cuts = row.get("cuts")
-        starts = None if not cuts else tuple(cut_starts([(n, None) for n in profile.names], cuts, len(cuts) + 1))
+        starts = None if not cuts else cut_starts_of(profile, cuts)
         return Layout("pipeline", p, 1, 0, row.get("schedule") or "gpipe", int(row.get("microbatches") or 1), starts)
     if way == "tensor_parallel":
         return Layout("tensor_parallel", p)

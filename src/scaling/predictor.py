@@ -28,19 +28,18 @@ import yaml
 from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
-from src.scaling.forecast_files import forecast_row, newest_report, write_csv, write_markdown, write_plot
+from src.scaling.forecast_files import (answer_lines, forecast_row, memory_assumptions, memory_section, newest_report,
+                                        ways_section, ways_table_lines, write_csv, write_layouts, write_markdown,
+                                        write_plot)
 from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
                                   shaped)
-from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS
-from src.scaling.memory_section import MemoryPlan, answer_lines, assumptions, markdown_section, memory_plan, stage_gib
+from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS, MemoryPlan, memory_plan, stage_gib
 from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.step_precision import config_precision, precision_line
-from src.scaling.three_ways import Setting
-from src.scaling.three_ways_section import (Ways, forecast_ways, markdown_section as ways_section, table_lines,
-                                            write_csv as write_layouts)
+from src.scaling.three_ways import Setting, Ways, forecast_ways
 from src.strategies.comm.exchange_names import COMPRESSIONS
 from src.version_folders import next_version
 
@@ -394,10 +393,10 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
 
     Prints one line per prediction (ms/step, images/s, efficiency), then the precision of the one-device step
     (`src.scaling.step_precision.precision_line`), with --memory_gib the fewest devices whose model state fits
-    per ZeRO stage (`src.scaling.memory_section.answer_lines`), and writes forecast.md (with the model-state
+    per ZeRO stage (`src.scaling.forecast_files.answer_lines`), and writes forecast.md (with the model-state
     memory per device), forecast.csv and forecast.png into a new <out>/<model>/version_N/ (nothing is written if
     an input is bad). With --ways or --memory_budget_gib it also prints and writes (forecast.md, layouts.csv) the
-    layouts of data, pipeline and tensor parallelism (`src.scaling.three_ways_section`).
+    layouts of data, pipeline and tensor parallelism (`src.scaling.three_ways.forecast_ways`).
 
     Args:
         question: Config, hardware preset, device counts, algorithms and batch.
@@ -411,7 +410,7 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
         ValueError: Unknown preset or link (the valid ones are listed), a device count < 1, a batch size < 1,
             a missing calibration file (with the command that makes it), a config without a model, a
             --memory_gib that is not > 0, a config optimizer of unknown state size, or a layout the network or
-            the batch cannot take (`src.scaling.three_ways_section.predict_ways`).
+            the batch cannot take (`src.scaling.three_ways.predict_ways`).
     """
     result = predict(question, user, paths)
     custom = question.network_params is not None
@@ -426,7 +425,7 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
     section = ways_section(layouts, question.memory_budget_gib, question.block_costs) if layouts else []
     write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "",
-                   markdown_section(result.memory, question.devices) + (["", *section] if layouts else []))
+                   memory_section(result.memory, question.devices) + (["", *section] if layouts else []))
     write_csv(rows, root)
     if layouts:
         write_layouts(layouts, root)
@@ -438,10 +437,10 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     answers = answer_lines(result.memory)
     if answers:
         print(f"model state per device (activations, buffers and fragmentation not included): "
-              f"{assumptions(result.memory)}")
+              f"{memory_assumptions(result.memory)}")
         print("\n".join(answers))
     if layouts:
-        print("\n".join(table_lines(layouts, question.memory_budget_gib)))
+        print("\n".join(ways_table_lines(layouts, question.memory_budget_gib)))
     print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png{', layouts.csv' * bool(layouts)}")
     return root
 
