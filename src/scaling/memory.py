@@ -72,13 +72,23 @@ def bytes_per_element(optimizer: str, precision: str) -> BytesPerElement:
     raise ValueError(f"unknown memory precision {precision!r}; choose from {', '.join(PRECISIONS)}")
 
 
-def _split(stage: int, sizes: BytesPerElement) -> tuple[int, int]:
-    """(bytes per element every device keeps whole, bytes per element partitioned over the devices) at `stage`."""
-    p, g, k = sizes.params, sizes.grads, sizes.optimizer
-    splits = {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}
-    if stage not in splits:
+def _kept_whole(stage: int, sizes: BytesPerElement) -> list[tuple[int, bool]]:
+    """(bytes per element, kept whole on every device) of parameters, gradients and optimizer state at `stage`:
+    stage 1 partitions the optimizer state, 2 the gradients too, 3 the parameters too."""
+    if stage not in STAGES:
         raise ValueError(f"unknown ZeRO stage {stage}; choose from {', '.join(map(str, STAGES))}")
-    return splits[stage]
+    return [(sizes.params, stage < 3), (sizes.grads, stage < 2), (sizes.optimizer, stage < 1)]
+
+
+def state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElement) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes on the fullest device at `stage`, a partition holding
+    ceil(Ψ / N) elements.
+
+    Raises:
+        ValueError: An unknown stage.
+    """
+    part = -(-parameters // devices)
+    return tuple(b * (parameters if whole else part) for b, whole in _kept_whole(stage, sizes))
 
 
 def model_state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElement) -> int:
@@ -101,8 +111,7 @@ def model_state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPer
     """
     if parameters < 1 or devices < 1:
         raise ValueError(f"parameters and devices must be >= 1, got {parameters} and {devices}")
-    whole, partitioned = _split(stage, sizes)
-    return whole * parameters + partitioned * -(-parameters // devices)
+    return sum(state_bytes(parameters, devices, stage, sizes))
 
 
 def fewest_devices(parameters: int, stage: int, sizes: BytesPerElement, limit_bytes: float) -> int | None:
@@ -153,7 +162,7 @@ def never_fits_reason(parameters: int, stage: int, sizes: BytesPerElement, limit
     Raises:
         ValueError: An unknown stage.
     """
-    whole, _ = _split(stage, sizes)
+    whole = sum(b for b, kept in _kept_whole(stage, sizes) if kept)
     if stage == 3:
         least = model_state_bytes(parameters, parameters, stage, sizes)
         return f"even one element per device ({parameters:,} devices) takes {least} bytes"
@@ -164,6 +173,8 @@ def never_fits_reason(parameters: int, stage: int, sizes: BytesPerElement, limit
 
 # src.models.classifier.ImageClassifier's defaults, for a config that leaves them out
 CLASSIFIER_OPTIMIZER, CLASSIFIER_MOMENTUM = "sgd", 0.9
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What the model-state memory is computed for.

@@ -44,7 +44,7 @@ import yaml
 
 from src.scaling.cost_model import (Compute, Job, Link, Links, allreduce_s, expected_max_normal, global_batch_for,
                                     predict_step)
-from src.scaling.memory import GIB, BytesPerElement
+from src.scaling.memory import GIB, BytesPerElement, state_bytes
 from src.scaling.net_profile import NetProfile, check_shares, local_elements, saved_bytes, stage_saved
 from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble_fraction, in_flight
 
@@ -253,13 +253,11 @@ def _data(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> 
     d, stage, psi, s = layout.processes, layout.zero_stage, profile.parameters, setting.sizes
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"unknown ZeRO stage {stage}; choose 0 to 3")
-    part = -(-psi // d)
     grad_bytes = s.grads * psi * (1.5 if stage == 3 else 1.0)
     job = Job("ring", d, batch, "global", setting.compute, grad_bytes, setting.per_node, setting.messages)
     step = predict_step(job, setting.links, setting.overlap, setting.jitter, setting.sync)
     activations = saved_bytes(profile, range(len(profile.saved)), batch / d) * _scale(profile, setting)
-    rank = RankFigures(0, s.params * (part if stage == 3 else psi), s.grads * (part if stage >= 2 else psi),
-                       s.optimizer * (part if stage >= 1 else psi), activations, 0.0, 2 * (d - 1) / d * grad_bytes)
+    rank = RankFigures(0, *state_bytes(psi, d, stage, s), activations, 0.0, 2 * (d - 1) / d * grad_bytes)
     ranks = tuple(replace(rank, rank=r) for r in range(d))
     return LayoutFigures(layout, batch, ranks, step.compute_s, step.exchange_s - step.hidden_s, step.step_s)
 
