@@ -42,7 +42,7 @@ from pathlib import Path
 from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Job, Link, Links, predict_step, ring_allreduce_s
 from src.scaling.hardware import LINKS
-from src.scaling.model_counts import inspect_network
+from src.scaling.layer_profile import inspect_network
 from src.scaling.published import bounds_for, fit_sync, load_table, predict_published
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
 

@@ -343,9 +343,9 @@ def split_predicted(model: str, name: str, rate: str, overhead_s: float, seconds
 
 def sent_bytes(model: str, name: str) -> int:
     """Bytes the busier machine sends per step in layout `name`: the gradient bytes, counted from the model as the
-    strategies count them (`src.scaling.model_counts.compressed_bytes`), or for a split model the forecast's
+    strategies count them (`src.scaling.layer_profile.compressed_bytes`), or for a split model the forecast's
     activations and partial sums (`split_predicted`)."""
-    from src.scaling.model_counts import compressed_bytes, inspect_network
+    from src.scaling.layer_profile import compressed_bytes, inspect_network
 
     if model_split(name):
         return int(split_predicted(model, name, "none", 0.0, 1e-3).sent)

@@ -455,7 +455,7 @@ def _one_core_compute(rows: list[dict], row: dict, hardware: str, calibration: s
 def _timed_costs(row: dict) -> tuple[float, ...]:
     """Each block's forward and backward timed here at one thread, on a micro-batch of the row's pipeline (or
     half its batch)."""
-    from src.scaling.block_timing import timed_block_costs
+    from src.scaling.layer_profile import timed_block_costs
     from src.scaling.predictor import _experiment
 
     model = _experiment(MODEL_CONFIGS[row["model"]])["model"]
@@ -478,7 +478,7 @@ def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibra
         calibration: The calibration file.
         link_rate: The lab's link rate (tc's notation) the rows ran at, or None.
         block_costs: What splits a pipeline's compute between its stages: "macs" (multiply-adds) or "timed" (each
-            block's forward and backward timed on this machine, `src.scaling.block_timing`).
+            block's forward and backward timed on this machine, `src.scaling.layer_profile.timed_block_costs`).
 
     Returns:
         One dict per (row, rank, quantity) and per (row, quantity) of the step: row (its index), model, way,

@@ -108,7 +108,7 @@ def test_timed_block_costs_split_the_pipeline_in_place_of_the_multiply_adds():
 
 
 def test_block_timing_times_every_block_of_the_pipeline_s():
-    from src.scaling.block_timing import timed_block_costs
+    from src.scaling.layer_profile import timed_block_costs
     from src.strategies.pipeline_stages import named_blocks
 
     costs = timed_block_costs(LENET, samples=4, repeats=2)
@@ -296,7 +296,7 @@ def test_timed_block_costs_even_out_lenet_s_stages(tiny, capsys):
     """LeNet's first conv holds 5% of its multiply-adds, so by them its first stage (conv1, activation, pooling)
     idles through most of the schedule; timed, those blocks cost far more than that, and it idles far less. The
     CLI's forecast.md says which split it used."""
-    from src.scaling.block_timing import timed_block_costs
+    from src.scaling.layer_profile import timed_block_costs
 
     layout, profile = Layout("pipeline", 2, 1, 0, "gpipe", 4, (3,)), profile_network(LENET)
     macs = predict_layout(profile, layout, 128, _setting())

@@ -34,7 +34,7 @@ from src.scaling.forecast_files import (answer_lines, forecast_row, memory_assum
 from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
                                   shaped)
 from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS, MemoryPlan, memory_plan, stage_gib
-from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
+from src.scaling.layer_profile import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
 from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)

@@ -24,7 +24,7 @@ from pathlib import Path
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import Compute, Job, Links
 from src.scaling.hardware import HARDWARE, LINKS
-from src.scaling.model_counts import DDP_BUCKET_BYTES
+from src.scaling.layer_profile import DDP_BUCKET_BYTES
 
 TABLE = Path(__file__).parent / "calibration" / "published_scaling.csv"
 

@@ -68,7 +68,8 @@ class Setting:
         messages: Data parallelism's allreduce calls per step (gradient buckets).
         activation_bytes: Bytes per activation element (4 for float32, 8 for 64-true).
         block_costs: Each block's cost, whose shares split a pipeline's compute between its stages, e.g. its
-            measured seconds per sample (`src.scaling.block_timing`); None: the blocks' multiply-adds.
+            measured seconds per sample (`src.scaling.layer_profile.timed_block_costs`); None: the blocks'
+            multiply-adds.
     """
 
     compute: Compute
@@ -448,7 +449,7 @@ class Ways:
         block_costs: What splits a pipeline's compute between its stages: macs (each block's multiply-adds, for
             any hardware) or timed (each block's forward and backward timed here on the CPU at one thread, a
             micro-batch at a time: for a forecast of this CPU, where activations and pooling cost more than their
-            multiply-adds say; `src/scaling/block_timing.py`).
+            multiply-adds say; `src/scaling/layer_profile.py`).
     """
 
     ways: list[Literal["data", "pipeline", "tensor"]] | None = None
@@ -605,7 +606,7 @@ def forecast_ways(ways: Ways, cfg: dict | None, devices: list[int], batch: int, 
     setting = replace(setting, activation_bytes=8 if config_precision(cfg) == "64-true" else 4)
     batches = [global_batch_for(batch, d, batch_mode) for d in devices]
     if ways.block_costs == "timed":
-        from src.scaling.block_timing import timed_block_costs
+        from src.scaling.layer_profile import timed_block_costs
 
         micro = max(1, batches[-1] // ways.microbatches)  # the largest device count's micro-batch
         setting = replace(setting, block_costs=timed_block_costs(cfg["model"]["class_path"],
