@@ -23,7 +23,7 @@ measurements is `published`.
 
 `published`: each row of `src/scaling/calibration/published_scaling.csv` (its source, file, commit and row are in
 the table) is predicted from what a user would give the predictor: the parameter count, the one-GPU images/s at the
-batch per GPU, the hardware preset, the GPU count and the precision (`src.scaling.published.predict_setting`,
+batch per GPU, the hardware preset, the GPU count and the precision (`src.scaling.published.predict_published`,
 ring allreduce, float32 gradients). The sync-overhead bounds are fitted on the calibration rows only; the
 held-out rows (other networks, systems, software releases and frameworks) are never fitted to. Rows whose
 precision has no calibrated kind (NVIDIA's APEX AMP) are predicted as "unknown", with both kinds' bounds.
@@ -42,8 +42,8 @@ from pathlib import Path
 from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Job, Link, Links, predict_step, ring_allreduce_s
 from src.scaling.hardware import LINKS
-from src.scaling.model_counts import inspect_network
-from src.scaling.published import bounds_for, fit_sync, load_table, predict_setting, setting_of
+from src.scaling.layer_profile import inspect_network
+from src.scaling.published import bounds_for, fit_sync, load_table, predict_published
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
 
 LENET = "src.models.classifier.LeNetClassifier"
@@ -147,7 +147,7 @@ def check_published() -> dict[str, dict[str, float]]:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     results: dict[str, list[tuple[bool, float, float]]] = {}
     for r in load_table():
-        band = predict_setting(setting_of(r), bounds_for(r.precision_class))
+        band = predict_published(r, bounds_for(r.precision_class))
         low, high = band.low.efficiency, band.high.efficiency
         mid = (low + high) / 2
         inside = low <= r.efficiency <= high

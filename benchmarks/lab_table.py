@@ -320,7 +320,7 @@ def model_split(name: str) -> bool:
 
 def split_row(model: str, name: str) -> dict:
     """The forecast's description of a pipeline or tensor-parallel layout on 2 machines, as
-    `src.scaling.three_ways_measured` reads a measured row."""
+    `benchmarks.three_ways.predict_row` reads a measured row."""
     pipeline = name.startswith("pipeline")
     return {"model": model, "way": "pipeline" if pipeline else "tensor_parallel", "processes": 2,
             "schedule": name.split()[1] if pipeline else None, "batch": MODELS[model][1],
@@ -332,7 +332,7 @@ def split_predicted(model: str, name: str, rate: str, overhead_s: float, seconds
                     sync_overhead: float | None = None) -> SimpleNamespace:
     """The three ways' forecast (`src.scaling.three_ways`) of a pipeline or tensor-parallel layout on 2 lab machines
     at `rate`, with one replica's measured compute, in the fields `print_table` reads (nothing hidden)."""
-    from src.scaling.three_ways_measured import predict_row
+    from benchmarks.three_ways import predict_row
 
     figures, _ = predict_row(split_row(model, name), "lab", link_rate=None if rate == "none" else rate,
                              overhead_s=overhead_s, seconds_per_image=seconds_per_image, sync_overhead=sync_overhead)
@@ -343,9 +343,9 @@ def split_predicted(model: str, name: str, rate: str, overhead_s: float, seconds
 
 def sent_bytes(model: str, name: str) -> int:
     """Bytes the busier machine sends per step in layout `name`: the gradient bytes, counted from the model as the
-    strategies count them (`src.scaling.model_counts.compressed_bytes`), or for a split model the forecast's
+    strategies count them (`src.scaling.layer_profile.compressed_bytes`), or for a split model the forecast's
     activations and partial sums (`split_predicted`)."""
-    from src.scaling.model_counts import compressed_bytes, inspect_network
+    from src.scaling.layer_profile import compressed_bytes, inspect_network
 
     if model_split(name):
         return int(split_predicted(model, name, "none", 0.0, 1e-3).sent)

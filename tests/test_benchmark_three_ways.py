@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from src.scaling.three_ways_measured import compare_with_measured, load_measured
+from benchmarks.three_ways import compare_with_measured, load_measured
 from tests.helpers.doc_commands import ROOT
 
 pytestmark = pytest.mark.slow

@@ -155,7 +155,7 @@ class Runner:
         self.root = root
         self.data = root / "data"
         write_fashion_mnist(self.data / "FashionMNIST" / "raw")
-        self.server = ForkServer(["lightning.pytorch", "src.cli", "src.forecast", "src.scaling.report",
+        self.server = ForkServer(["lightning.pytorch", "src.cli", "src.forecast", "src.scaling_report",
                                   "tensorboard.backend.event_processing.event_accumulator"], _env())
         self.count = 0
 

@@ -13,13 +13,13 @@ from src.scaling.cost_fit import fit_alpha_beta, fit_line, relative_errors
 from src.scaling.cost_model import (ALGORITHMS, Compute, Job, Link, Links, allreduce_s, expected_max_normal,
                                     hierarchical_s, predict_step, reduce_broadcast_s, ring_allreduce_s)
 from src.scaling.predictor import Paths, Question, main, predict
+from src.scaling.forecast_files import newest_report
 from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, shaped
-from src.scaling.model_counts import DDP_BUCKET_BYTES, inspect_network
+from src.scaling.layer_profile import DDP_BUCKET_BYTES, inspect_network
 from src.scaling.published import bounds_for
-from src.scaling.report import newest_report
 from src.scaling.sources import DEFAULT_CALIBRATION, Overrides, load_calibration
-from src.scaling.version_folders import next_version
 from src.strategies.comm.exchange_names import EXCHANGES
+from src.version_folders import next_version
 from tests.helpers.calibration import write_calibration
 
 BYTES = Link(alpha=0.0, beta=1.0)  # beta = 1 s per byte: the time is the bytes on the busiest link
@@ -447,7 +447,7 @@ def test_bad_lab_input_gives_one_line(tiny, tmp_path, capsys, args, message):
 def test_compression_sends_what_the_strategies_count_and_shortens_the_predicted_step():
     """LeNet in float32: 516,272 bytes uncompressed, bf16 half, PowerSGD rank 2 the 13,992 bytes that ours and
     DDP's hook log per step (docs/split_allreduce.md); on a 100 Mbit/s lab link fewer bytes mean a shorter step."""
-    from src.scaling.model_counts import compressed_bytes, custom_network, inspect_network
+    from src.scaling.layer_profile import compressed_bytes, custom_network, inspect_network
 
     net = inspect_network("src.models.classifier.LeNetClassifier")
     assert compressed_bytes(net, "none")[:2] == (516_272, 1)

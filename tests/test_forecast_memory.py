@@ -8,10 +8,10 @@ import inspect
 import pytest
 import yaml
 
-from src.scaling.memory import (GIB, STAGES, BytesPerElement, bytes_per_element, fewest_devices, model_state_bytes,
+from src.scaling.forecast_files import answer_lines
+from src.scaling.memory import (CLASSIFIER_MOMENTUM, CLASSIFIER_OPTIMIZER, GIB, STAGES, BytesPerElement,
+                                bytes_per_element, config_optimizer, fewest_devices, memory_plan, model_state_bytes,
                                 never_fits_reason)
-from src.scaling.memory_section import (CLASSIFIER_MOMENTUM, CLASSIFIER_OPTIMIZER, answer_lines, config_optimizer,
-                                        memory_plan)
 from src.scaling.predictor import main
 
 

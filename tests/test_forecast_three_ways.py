@@ -18,7 +18,7 @@ from src.scaling.net_profile import Block, Exchange, NetProfile, Param, Saved, c
 from src.scaling.predictor import main
 from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble_fraction, in_flight
 from src.scaling.three_ways import Layout, Setting, best_starts, predict_layout
-from src.scaling.three_ways_measured import compare_with_measured, load_measured
+from benchmarks.three_ways import compare_with_measured, load_measured
 from tests.helpers.calibration import write_calibration
 
 LENET, RESNET = "src.models.classifier.LeNetClassifier", "src.models.classifier.ResNet18Classifier"
@@ -108,7 +108,7 @@ def test_timed_block_costs_split_the_pipeline_in_place_of_the_multiply_adds():
 
 
 def test_block_timing_times_every_block_of_the_pipeline_s():
-    from src.scaling.block_timing import timed_block_costs
+    from src.scaling.layer_profile import timed_block_costs
     from src.strategies.pipeline_stages import named_blocks
 
     costs = timed_block_costs(LENET, samples=4, repeats=2)
@@ -296,7 +296,7 @@ def test_timed_block_costs_even_out_lenet_s_stages(tiny, capsys):
     """LeNet's first conv holds 5% of its multiply-adds, so by them its first stage (conv1, activation, pooling)
     idles through most of the schedule; timed, those blocks cost far more than that, and it idles far less. The
     CLI's forecast.md says which split it used."""
-    from src.scaling.block_timing import timed_block_costs
+    from src.scaling.layer_profile import timed_block_costs
 
     layout, profile = Layout("pipeline", 2, 1, 0, "gpipe", 4, (3,)), profile_network(LENET)
     macs = predict_layout(profile, layout, 128, _setting())
@@ -397,7 +397,7 @@ def test_measured_file_errors(tmp_path):
 
 
 #: the forecast's bounds against benchmarks/three_ways.json as docs/three-ways.md states them, predicted / measured,
-#: held here rather than read from src.scaling.three_ways_measured so that loosening the code's own bounds cannot
+#: held here rather than read from benchmarks.three_ways so that loosening the code's own bounds cannot
 #: loosen the test: the model state exact, bytes sent within 2%, the step's rise of the resident set at 0.45-1.05,
 #: the step within 25% (tensor parallelism 0.5-1.05: a lower bound), the bubble exact, the mean idle share within 0.2
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")

@@ -62,7 +62,8 @@ def test_the_wheel_carries_the_calibration_and_runs_outside_the_checkout(tmp_pat
     ("src.scaling.cost_fit", False),
     ("src.scaling.hardware", False),
     ("src.scaling.memory", False),
-    ("src.scaling.memory_section", False),
+    ("src.scaling.forecast_files", False),
+    ("src.scaling.three_ways", False),
     ("src.strategies.comm.gradient_exchange", True),  # the probe's own check: a module that does import torch
 ])
 def test_the_cost_model_loads_neither_torch_nor_lightning(module, loads_torch):

@@ -6,7 +6,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from src.scaling.report import main as scaling_main
+from src.scaling_report import main as scaling_main
 from tests.helpers.cli_args import data_args
 
 
@@ -38,7 +38,7 @@ def test_scaling_report_on_cpu(tiny_data_dir, tmp_path, capsys):
 
 
 def test_the_ideal_line_is_flat_when_devices_share_the_cpu_cores(tmp_path):
-    from src.scaling.report import Row, ideal_images_per_s, write_report
+    from src.scaling_report import Row, ideal_images_per_s, write_report
 
     assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=True) == [100.0, 100.0, 100.0]
     assert ideal_images_per_s(100.0, [1, 2, 4], shared_cores=False) == [100.0, 200.0, 400.0]
@@ -55,7 +55,7 @@ def test_the_one_device_point_shows_above_the_lines_that_start_at_it_and_the_leg
     at that point is the single point's black, and the legend lies outside the axes."""
     import numpy as np
 
-    from src.scaling.report import Row, scaling_figure
+    from src.scaling_report import Row, scaling_figure
 
     def row(strategy, devices, images_per_s):
         return Row(strategy=strategy, devices=devices, global_batch=64, sec_per_epoch=1.0, images_per_s=images_per_s,
@@ -74,7 +74,7 @@ def test_the_one_device_point_shows_above_the_lines_that_start_at_it_and_the_leg
 
 def test_the_report_title_says_the_length_the_runs_were_given():
     """`--max_steps 20` runs 20 steps (or the epochs, if sooner), and the title says so, not "2 epochs"."""
-    from src.scaling.report import report_title
+    from src.scaling_report import report_title
 
     strategies = ["single", "split_allreduce", "ddp"]
     assert report_title("lenet", strategies, "cpu", 2, -1) == \

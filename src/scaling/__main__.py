@@ -1,6 +1,6 @@
-"""`python -m src.scaling`: the scaling report (`src.scaling.report`)."""
+"""`python -m src.scaling`: the scaling report (`src.scaling_report`)."""
 
-from src.scaling.report import main
+from src.scaling_report import main
 
 if __name__ == "__main__":
     main()

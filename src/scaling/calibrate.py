@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from src.scaling.cost_fit import fit_alpha_beta, fit_line, relative_errors
-from src.scaling.model_counts import built_module
+from src.scaling.layer_profile import built_module
 from src.scaling.sources import load_calibration
 
 # Batch sizes timed per network, small enough for a single-thread CPU to take seconds, spanning a

@@ -1,20 +1,52 @@
-"""The scaling predictor's files: forecast.md (table and assumptions), forecast.csv and forecast.png.
+"""The scaling predictor's files: forecast.md (the table, the assumptions, the model-state memory's section and the
+three ways' section), forecast.csv, forecast.png and layouts.csv, each forecast in a `version_N` folder of its own
+(`src.version_folders`); the lines it prints beside them (the memory's answers, the three ways' table); and the
+scaling report's rows it draws.
 
-Each file is written under a temporary name and renamed, so a reader never sees half a file.
+Each file is written under a temporary name and renamed (`replace_file`), so a reader never sees half a file.
 """
 
 import csv
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from src.scaling.cost_fit import BandPrediction
+from src.scaling.memory import (GIB, OPTIMIZER_STATES, STAGES, MemoryPlan, fewest_devices, model_state_bytes,
+                                never_fits_reason, stage_gib)
+from src.scaling.three_ways import DeviceAnswer, LayoutFigures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+
+MIB = 2**20
+_MEMORY_HEADER = ["devices", "stage 0 GiB", "stage 1 GiB", "stage 2 GiB", "stage 3 GiB (FSDP FULL_SHARD)"]
+_LEFT_OUT = ("Activations, temporary buffers (gradient buckets, all-gather and reduce-scatter buffers) and the "
+             "allocator's fragmentation are NOT included: a device needs more memory than this.")
+_WAYS_HEADER = ["layout", "step ms", "compute ms", "waits ms", "images/s", "bubble", "sent MiB/step", "model state MiB",
+                "activations MiB", "buffers MiB", "total MiB", "fits", "cut"]
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, one line per row of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def replace_file(path: Path, write: Callable[[IO[str]], None]) -> Path:
+    """Write `path` through `write(handle)` into a hidden temporary file beside it, then rename that over `path`.
+
+    Raises:
+        OSError: The folder cannot be written.
+    """
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    with open(tmp, "w", newline="") as handle:
+        write(handle)
+    os.replace(tmp, path)
+    return path
 
 
 @dataclass
@@ -77,7 +109,7 @@ def forecast_row(band: BandPrediction, epoch_images: int, model_state_gib: Seque
         band: The prediction and its range.
         epoch_images: Training images per epoch.
         model_state_gib: Model state per device at ZeRO stages 0 to 3 on the band's devices, GiB
-            (`src.scaling.memory_section.stage_gib`).
+            (`src.scaling.memory.stage_gib`).
     """
     p = band.point
     steps = math.ceil(epoch_images / p.global_batch)
@@ -108,23 +140,19 @@ def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, mea
     header = ["algorithm", "devices", "nodes", "global batch", "images/replica", "compute ms", "exchange ms",
               "hidden ms", "step ms", "sec/epoch", "images/s", "images/s range", "speedup", "efficiency",
               "efficiency range"]
+    cells = [[r.algorithm, str(r.devices), str(r.nodes), str(r.global_batch), f"{r.images_per_replica:g}",
+              f"{r.compute_ms:.3f}", f"{r.exchange_ms:.3f}", f"{r.hidden_ms:.3f}", f"{r.step_ms:.3f}",
+              f"{r.sec_per_epoch:.2f}", f"{r.images_per_s:,.0f}",
+              f"{r.images_per_s_low:,.0f}–{r.images_per_s_high:,.0f}", f"{r.speedup:.2f}", f"{r.efficiency:.3f}",
+              f"{r.efficiency_low:.3f}–{r.efficiency_high:.3f}"] for r in rows]
     lines = [f"# {title}", "", "Predicted, not measured. Each range runs from the pessimistic to the optimistic "
-             "end of the terms listed under the table.", "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
-    for r in rows:
-        lines.append(f"| {r.algorithm} | {r.devices} | {r.nodes} | {r.global_batch} | {r.images_per_replica:g} "
-                     f"| {r.compute_ms:.3f} | {r.exchange_ms:.3f} | {r.hidden_ms:.3f} | {r.step_ms:.3f} "
-                     f"| {r.sec_per_epoch:.2f} | {r.images_per_s:,.0f} | {r.images_per_s_low:,.0f}–"
-                     f"{r.images_per_s_high:,.0f} | {r.speedup:.2f} | {r.efficiency:.3f} "
-                     f"| {r.efficiency_low:.3f}–{r.efficiency_high:.3f} |")
+             "end of the terms listed under the table.", "", *table(header, cells)]
     lines += ["", "## Inputs and assumptions", "", *[f"- {n}" for n in notes]]
     if measured_from:
         lines += ["", f"Measured points drawn on the plot: {measured_from}/scaling.csv"]
     if sections:
         lines += ["", *sections]
-    (out / ".forecast.md.tmp").write_text("\n".join(lines) + "\n")
-    os.replace(out / ".forecast.md.tmp", out / "forecast.md")
-    return out / "forecast.md"
+    return replace_file(out / "forecast.md", lambda f: f.write("\n".join(lines) + "\n"))
 
 
 def write_csv(rows: list[Row], out: Path) -> Path:
@@ -140,12 +168,12 @@ def write_csv(rows: list[Row], out: Path) -> Path:
     Raises:
         OSError: The folder cannot be written.
     """
-    with open(out / ".forecast.csv.tmp", "w", newline="") as f:
+    def write(f: IO[str]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    os.replace(out / ".forecast.csv.tmp", out / "forecast.csv")
-    return out / "forecast.csv"
+
+    return replace_file(out / "forecast.csv", write)
 
 
 def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] = ()) -> Path:
@@ -212,3 +240,178 @@ def forecast_figure(rows: list[Row], title: str, measured: Sequence[dict] = ()) 
     fig.legend(*ax_eff.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     fig.suptitle(f"{title} (predicted)", fontsize=9)
     return fig
+
+
+def memory_assumptions(plan: MemoryPlan) -> str:
+    """One sentence: Ψ, the optimizer, the precision and the bytes per element they give, with their sources."""
+    s = plan.sizes
+    return (f"Ψ = {plan.parameters:,} parameters; {plan.optimizer} ({OPTIMIZER_STATES[plan.optimizer]} state "
+            f"tensor(s) the size of the parameters) in {plan.precision}: {s.params} + {s.grads} + {s.optimizer} "
+            f"bytes per parameter of parameters + gradients + optimizer state ({plan.source})")
+
+
+def answer_lines(plan: MemoryPlan) -> list[str]:
+    """Per stage, the fewest devices whose model state fits in `plan.memory_gib` ([] without it).
+
+    Returns:
+        Lines such as "stage 1: fits in 12 GiB from 3 devices (11.61 GiB each)" or "stage 0: never fits in
+        12 GiB: it keeps the 23.21 GiB of ... whole on every device, over the limit whatever the count".
+    """
+    if plan.memory_gib is None:
+        return []
+    limit, lines = plan.memory_gib * GIB, []
+    for stage in STAGES:
+        n = fewest_devices(plan.parameters, stage, plan.sizes, limit)
+        if n is None:
+            lines.append(f"stage {stage}: never fits in {plan.memory_gib:g} GiB: "
+                         f"{never_fits_reason(plan.parameters, stage, plan.sizes, limit)}")
+        else:
+            each = model_state_bytes(plan.parameters, n, stage, plan.sizes) / GIB
+            lines.append(f"stage {stage}: fits in {plan.memory_gib:g} GiB from {n:,} device{'s' * (n > 1)} "
+                         f"({each:.4g} GiB each)")
+    return lines
+
+
+def memory_section(plan: MemoryPlan, devices: Sequence[int]) -> list[str]:
+    """forecast.md's "Model-state memory per device": the table (one row per device count), the assumptions, what
+    is left out and, with a memory limit, the answer lines."""
+    lines = ["## Model-state memory per device", "",
+             f"Predicted from the parameter count, not measured. {memory_assumptions(plan)}. Formulas of ZeRO "
+             "(Rajbhandari et al., SC 2020, arXiv:1910.02054, section 5): stage 0 is DDP's and this "
+             "project's strategy's; stages 1 and 2 this project runs as `zero_stage: 1` and `2`, and stage 3 "
+             "as FSDP's FULL_SHARD (`configs/strategy/fsdp_cpu_full_shard.yaml`); DeepSpeed's "
+             "`zero_optimization.stage` numbers them alike. A partition holds ceil(Ψ / devices) elements. "
+             "GiB = 2^30 bytes.", "",
+             *table(_MEMORY_HEADER, [[str(d), *(f"{g:.4g}" for g in stage_gib(plan, d))] for d in devices])]
+    lines += ["", _LEFT_OUT]
+    answers = answer_lines(plan)
+    if answers:
+        lines += ["", f"Fewest devices whose model state fits in {plan.memory_gib:g} GiB:", "",
+                  *[f"- {a}" for a in answers]]
+    return lines
+
+
+def _row(f: LayoutFigures, budget_gib: float | None) -> list[str]:
+    top = f.fullest
+    sent = max(r.bytes_sent_per_step for r in f.ranks)
+    fits = "" if budget_gib is None else ("yes" if top.total <= budget_gib * GIB else "no")
+    return [f.layout.label(), f"{f.step_s * 1e3:.1f}", f"{f.compute_s * 1e3:.1f}", f"{f.exchange_s * 1e3:.1f}",
+            f"{f.images_per_s:,.0f}",
+            "" if f.bubble is None else f"{f.bubble:.3f}", f"{sent / MIB:.3f}", f"{top.model_state / MIB:.3f}",
+            f"{top.activation_peak / MIB:.3f}", f"{top.buffers / MIB:.3f}", f"{top.total / MIB:.3f}", fits,
+            " | ".join(f.stages)]
+
+
+def ways_table_lines(answers: list[DeviceAnswer], budget_gib: float | None) -> list[str]:
+    """The terminal's lines: per device count a table of the layouts (fastest first; the fullest process's
+    memory), the layouts that cannot run, and the budget's answer.
+
+    Args:
+        answers: `predict_ways`' answers.
+        budget_gib: The memory budget per device, GiB, or None.
+
+    Returns:
+        The lines, without line ends.
+    """
+    lines = []
+    for a in answers:
+        rows = [_WAYS_HEADER] + [_row(f, budget_gib) for f in a.figures]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_WAYS_HEADER))]
+        batch = a.figures[0].global_batch
+        lines.append(f"three ways on {a.devices} device{'s' * (a.devices > 1)}, global batch {batch} (predicted; "
+                     "memory of the fullest process, MiB = 2^20 bytes):")
+        lines += ["  " + "  ".join(c.ljust(w) if i in (0, len(_WAYS_HEADER) - 1) else c.rjust(w) for i, (c, w) in
+                                   enumerate(zip(r, widths))).rstrip() for r in rows]
+        lines += [f"  cannot run: {s}" for s in a.skipped]
+        if a.answer:
+            lines.append(a.answer)
+    return lines
+
+
+def ways_section(answers: list[DeviceAnswer], budget_gib: float | None, block_costs: str = "macs") -> list[str]:
+    """forecast.md's "Three ways": per device count the layouts' table and every process's figures, then what is
+    left out.
+
+    Args:
+        answers: `predict_ways`' answers.
+        budget_gib: The memory budget per device, GiB, or None.
+        block_costs: What split a pipeline's compute between its stages (`Ways.block_costs`).
+
+    Returns:
+        Markdown lines.
+    """
+    lines = ["## Three ways: data, pipeline and tensor parallelism", "",
+             "Predicted, not measured: from the network profiled block by block (one CPU forward at 1 and 2 samples, "
+             "`src/scaling/layer_profile.py`) and the step's costs above. Memory of the fullest process; MiB = 2^20 "
+             "bytes. Formulas and sources: docs/forecast.md, \"Three ways\"; `src/scaling/three_ways.py`. A pipeline's "
+             "stages split the compute by " + ("their blocks' forward and backward timed on this CPU at one thread."
+                                               if block_costs == "timed" else "their blocks' multiply-adds."), ""]
+    for a in answers:
+        lines += [f"### {a.devices} device{'s' * (a.devices > 1)}, global batch {a.figures[0].global_batch}", "",
+                  *table(_WAYS_HEADER, [[c.replace("|", "\\|") for c in _row(f, budget_gib)] for f in a.figures])]
+        lines += ["", "| layout | rank | parameters | gradients | optimizer state | activation peak | buffers | "
+                      "sent per step | idle |", "|" + "---|" * 9]
+        lines += [f"| {f.layout.label()} | {r.rank} | {r.parameters:,.0f} | {r.gradients:,.0f} | "
+                  f"{r.optimizer_state:,.0f} | {r.activation_peak:,.0f} | {r.buffers:,.0f} | "
+                  f"{r.bytes_sent_per_step:,.0f} | {'' if r.idle_fraction is None else f'{r.idle_fraction:.3f}'} |"
+                  for f in a.figures for r in f.ranks]
+        notes = [f"- cannot run: {s}" for s in a.skipped] + ([f"- {a.answer}"] if a.answer else [])
+        lines += [""] + (notes + [""] if notes else [])
+    lines += ["", "Bytes per process in the second table. Left out: temporary buffers (allreduce and DTensor "
+              "copies), the allocator's fragmentation, the CUDA context; activations are the tensors autograd saves "
+              "for backward, at the model's dtype."]
+    return lines
+
+
+def write_layouts(answers: list[DeviceAnswer], out: Path) -> Path:
+    """layouts.csv: one line per (device count, layout, rank), bytes and milliseconds.
+
+    Args:
+        answers: `predict_ways`' answers.
+        out: The folder to write into (it exists).
+
+    Returns:
+        The file's path.
+    """
+    columns = ["devices", "layout", "way", "copies", "schedule", "microbatches", "zero_stage", "cut",
+               "global_batch", "step_ms", "images_per_s", "bubble", "rank", "parameters", "gradients",
+               "optimizer_state", "activation_peak", "buffers", "bytes_sent_per_step", "idle_fraction", "total"]
+    def rows(handle: IO[str]) -> None:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for a in answers:
+            for f in a.figures:
+                lay = f.layout
+                for r in f.ranks:
+                    writer.writerow([a.devices, lay.label(), lay.way, lay.copies, lay.schedule or "",
+                                     lay.microbatches or "", lay.zero_stage, " | ".join(f.stages), f.global_batch,
+                                     f"{f.step_s * 1e3:.4f}", f"{f.images_per_s:.2f}",
+                                     "" if f.bubble is None else f"{f.bubble:.4f}", r.rank, round(r.parameters),
+                                     round(r.gradients), round(r.optimizer_state), round(r.activation_peak),
+                                     round(r.buffers), round(r.bytes_sent_per_step),
+                                     "" if r.idle_fraction is None else f"{r.idle_fraction:.4f}", round(r.total)])
+    return replace_file(out / "layouts.csv", rows)
+
+
+def newest_report(model_dir: Path, accelerator: str) -> tuple[list[dict], Path | None]:
+    """The rows of the newest scaling report in `model_dir` measured on `accelerator`, read from its scaling.csv.
+
+    Reports are `model_dir/version_N/scaling.csv`, newest = highest N. A report without the `accelerator`
+    column (written before it existed) is skipped: what its devices were cannot be told from its rows.
+
+    Args:
+        model_dir: `<out>/<model>` of `src.scaling_report.run_scaling`; it need not exist.
+        accelerator: "cpu" or "gpu".
+
+    Returns:
+        (rows as dicts of strings keyed by scaling.csv's header, `src.scaling_report.Row`'s fields; the report's
+        folder), or ([], None) if none.
+    """
+    numbered = [p for p in model_dir.glob("version_*/scaling.csv") if p.parent.name.split("_", 1)[1].isdigit()]
+    versions = sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))
+    for csv_path in reversed(versions):
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and all(r.get("accelerator") == accelerator for r in rows):
+            return rows, csv_path.parent
+    return [], None

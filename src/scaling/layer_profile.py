@@ -1,20 +1,169 @@
-"""A network profiled block by block for the three ways of splitting training (`src.scaling.net_profile`): one
+"""The network, built from the experiment's model on the CPU: what the scaling predictor counts from it (`Network`:
+gradient bytes, FLOPs per image, buckets), its profile block by block for the three ways of splitting training
+(`profile_network`, a `src.scaling.net_profile.NetProfile`) and its blocks timed (`timed_block_costs`). torch and the
+model's module are imported only when one of them is called; each builds the model with `built_module`.
+
+Profile. A network profiled block by block for the three ways of splitting training (`src.scaling.net_profile`): one
 training forward on the CPU, at 1 and at 2 samples, with hooks that count each block's multiply-adds, its output
 and every tensor autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`).
 
 The blocks are the pipeline's (`src.strategies.pipeline_stages.named_blocks`); the layers tensor parallelism
 splits are those of `src.strategies.tensor_plans` (`SPLIT_LAYERS` names them by their place in the network, as the
 plans do; `tests/test_forecast_three_ways.py` checks the two agree, share for share, under a fake process group).
-The model files are not changed and nothing is trained: the model is built, run on two random batches, dropped.
+The model files are not changed and nothing is trained: the model is built, run on two random batches (or timed),
+dropped.
+
+Timed blocks: what `--block_costs timed` splits a pipeline's compute by, in place of the blocks' multiply-adds.
+Multiply-adds leave out what small networks spend most of their CPU time on outside their convs: activations,
+pooling and BatchNorm over large feature maps, and a conv of one input channel that runs far below the CPU's peak.
+LeNet's first conv holds 5% of its multiply-adds but, with its activation and pooling, over a third of its step on
+a 2-core x86-64 CPU. Timing each block within a training step (forward, the loss, backward; one thread, as each
+process of a 2-process job on 2 cores has) gives each block its share of the step instead: its forward between
+its call and return, its backward from the moment its output's gradient arrives to the moment its input's does
+(stamped by an identity autograd Function at each boundary).
 """
 
+import importlib
 import json
 import re
+import time
+from dataclasses import dataclass
 from functools import cache
 
-from src.scaling.model_counts import built_module
 from src.scaling.net_profile import (CLOSES_SPLIT, OPENS_SPLIT, SPLIT_PARAMETERS, Block, Exchange, NetProfile, Param,
                                      Saved)
+from src.strategies.comm.powersgd_sizes import powersgd_numbers
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and split_allreduce's default bucket_cap_mb, in bytes
+
+
+@dataclass(frozen=True)
+class Network:
+    """What the predictor needs of the experiment's network.
+
+    Args:
+        class_name: LightningModule class name (the key of measured steps and calibrations).
+        parameters: Trainable parameters.
+        gradient_bytes: Bytes of gradients per replica (parameters x 4 for float32).
+        train_flops_per_image: Forward + backward FLOPs of one 28x28 image, counted from conv and dense layers
+            (2 per multiply-add, backward = 2x forward); BatchNorm, activations and pooling are left out.
+        last_bucket_share: Share of the gradient bytes in the bucket that holds the first layer's gradient,
+            the last one backward fills, with buckets (25 MiB unless asked otherwise) filled in reverse
+            parameter order.
+        buckets: Number of such buckets (one allreduce call each).
+        gradient_dtypes: Names of the gradients' dtypes, e.g. ("float32",).
+        shapes: Every trainable parameter's shape, in order (empty for a network known by its count only).
+    """
+
+    class_name: str
+    parameters: int
+    gradient_bytes: int
+    train_flops_per_image: float
+    last_bucket_share: float
+    buckets: int
+    gradient_dtypes: tuple[str, ...] = ("float32",)
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+def custom_network(parameters: int, grad_bytes: int = 4, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
+    """A network known only by its parameter count: its gradient, buckets and overlap share from that.
+
+    Args:
+        parameters: Trainable parameters.
+        grad_bytes: Bytes per allreduced gradient element (4 for float32).
+        bucket_bytes: Bucket size in bytes (default 25 MiB).
+
+    Returns:
+        The network: buckets of `bucket_bytes` over parameters x grad_bytes bytes, the last one (which backward
+        fills last) assumed to hold an equal share; no FLOPs (its compute must be given).
+    """
+    n_bytes = parameters * grad_bytes
+    buckets = max(1, -(-n_bytes // bucket_bytes))
+    return Network(f"a network of {parameters:,} parameters", parameters, n_bytes, 0.0, 1.0 / buckets, buckets,
+                   (f"{grad_bytes}-byte",))
+
+
+def built_module(class_path: str, init_args: dict | None = None):
+    """The LightningModule `class_path` (e.g. src.models.classifier.LeNetClassifier) built with the keyword
+    arguments `init_args`. Raises ImportError or AttributeError for a path that names no importable class."""
+    module_name, _, cls_name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), cls_name)(**(init_args or {}))
+
+
+def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
+    """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
+
+    The buckets are those of `src.strategies.comm.gradient_exchange.bucket_indices` at `bucket_bytes`, the plan that
+    split_allreduce exchanges and that matches DDP's for a network of one dtype.
+
+    Args:
+        class_path: e.g. src.models.classifier.ResNet18Classifier.
+        init_args: Its keyword arguments (from the config).
+        bucket_bytes: Bucket size in bytes (default 25 MiB, DDP's bucket_cap_mb).
+
+    Returns:
+        The network's numbers.
+
+    Raises:
+        ImportError, AttributeError: `class_path` names no importable class.
+    """
+    import torch
+    from torch import nn
+
+    from src.strategies.comm.gradient_exchange import bucket_indices
+    from src.strategies.pipeline_stages import layer_macs  # the count the pipeline's `auto` cut balances
+
+    module = built_module(class_path, init_args)
+    cls_name, net = type(module).__name__, getattr(module, "net", module)
+    params = [p for p in net.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    macs: list[float] = []
+    handles = [m.register_forward_hook(lambda layer, _, output: macs.append(layer_macs(layer, output)))
+               for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        net.eval()(torch.zeros(1, 1, 28, 28, dtype=next(net.parameters()).dtype))
+    for h in handles:
+        h.remove()
+    buckets = bucket_indices(params, bucket_bytes)
+    # the first layer's gradient is the last one backward produces: its bucket can only be sent after backward
+    last = next(bucket for bucket in buckets if 0 in bucket)
+    dtypes = tuple(dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params))
+    return Network(cls_name, sum(p.numel() for p in params), sum(sizes), 3 * 2 * sum(macs),
+                   sum(sizes[i] for i in last) / sum(sizes), len(buckets), dtypes,
+                   tuple(tuple(p.shape) for p in params))
+
+
+def compressed_bytes(net: Network, compression: str, rank: int = 2, min_compression_rate: float = 2.0,
+                     ratio: float | None = None) -> tuple[int, int, str]:
+    """Bytes of gradient each replica exchanges per step under `compression`, allreduce calls per bucket, and a note
+    saying where the figure comes from.
+
+    "bf16" halves 4-byte gradients; "powersgd" counts (n + m)·r per compressed matrix and every element of the
+    rest (`src.strategies.comm.exchange_names.powersgd_numbers`, the rule ours and torch's hook apply), in two
+    allreduce calls per bucket (P with the rest, then Q); `ratio` (sent / uncompressed bytes) replaces the count,
+    as it must for a network known only by its parameter count.
+
+    Raises:
+        ValueError: PowerSGD for a network without shapes and no ratio, or a ratio outside (0, 1].
+    """
+    if ratio is not None:
+        if not 0 < ratio <= 1:
+            raise ValueError(f"--compression_ratio must be in (0, 1] (bytes sent / uncompressed), got {ratio}")
+        calls = 2 if compression == "powersgd" else 1
+        return round(net.gradient_bytes * ratio), calls, f"[user: --compression_ratio {ratio:g}]"
+    if compression == "none":
+        return net.gradient_bytes, 1, "uncompressed"
+    element = net.gradient_bytes / net.parameters
+    if compression == "bf16":
+        sent = round(net.parameters * min(element, 2))
+        return sent, 1, f"bf16: {sent:,} of {net.gradient_bytes:,} bytes [measured: 2 bytes per gradient element]"
+    if not net.shapes:
+        raise ValueError("--compression powersgd needs the network's shapes: give --config, or --compression_ratio "
+                         "(bytes sent / uncompressed, e.g. 0.03) with --network_params")
+    sent = round(powersgd_numbers(net.shapes, rank, min_compression_rate) * element)
+    return sent, 2, (f"PowerSGD rank {rank}: {sent:,} of {net.gradient_bytes:,} bytes [measured: counted from the "
+                     f"model's shapes, matrices that shrink by more than {min_compression_rate:g}x]")
+
 
 #: the layers `src.strategies.tensor_plans` splits, per network class: (pattern of the layer's name, kind)
 SPLIT_LAYERS = {
@@ -178,3 +327,93 @@ def profile_network(class_path: str, init_args: dict | None = None) -> NetProfil
         RuntimeError: A forward that saves different tensors at different batch sizes.
     """
     return _profile(class_path, json.dumps(init_args or {}, sort_keys=True))
+
+
+class _Stamp:
+    """Built on first use (torch imported only then): an autograd Function that copies its input forward and, in
+    backward, notes when the gradient of that boundary arrived, i.e. when the block after it finished its
+    backward. The copy keeps an in-place activation (ResNet-18's ReLU) from writing the stamped tensor, as the
+    pipeline's own boundaries copy (`src.strategies.pipeline_stages`)."""
+
+    function = None
+
+    @classmethod
+    def apply(cls, x, times: list[float]):
+        if cls.function is None:
+            import torch
+
+            class Stamp(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, t, marks):
+                    ctx.marks = marks
+                    return t.clone()
+
+                @staticmethod
+                def backward(ctx, grad):
+                    ctx.marks.append(time.perf_counter())
+                    return grad, None
+
+            cls.function = Stamp
+        return cls.function.apply(x, times)
+
+
+@cache
+def _timed(class_path: str, init_args_json: str, samples: int, threads: int, repeats: int) -> tuple[float, ...]:
+    import torch
+
+    from src.strategies.pipeline_stages import named_blocks
+
+    module = built_module(class_path, json.loads(init_args_json))
+    blocks = [block for _, block in named_blocks(module.net.train())]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x0 = torch.randn(samples, 1, 28, 28, dtype=next(module.net.parameters()).dtype)
+        target = torch.randint(0, 10, (samples,))
+        runs = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            forward, marks = [], [[] for _ in blocks]
+            x = x0
+            for index, block in enumerate(blocks):
+                if index:  # the data needs no gradient: block 0's backward ends with the whole backward
+                    x = _Stamp.apply(x, marks[index])
+                tic = time.perf_counter()
+                x = block(x)
+                forward.append(time.perf_counter() - tic)
+            last: list[float] = []
+            loss = module.loss_fn(_Stamp.apply(x, last), target)
+            loss.backward()
+            done = time.perf_counter()
+            # block i's backward: from its output's gradient (the stamp after it) to its input's (the stamp before)
+            ends = [done, *(m[0] for m in marks[1:])]
+            starts = [*(m[0] for m in marks[1:]), last[0]]
+            runs.append([f + (e - s) for f, e, s in zip(forward, ends, starts)])
+        # the fastest of the repeats: another process taking the core (a busy machine, a test suite's workers)
+        # only ever adds time, so the minimum is the block's own cost (as timeit advises)
+        seconds = [min(run[i] for run in runs[1:]) / samples for i in range(len(blocks))]
+    finally:
+        torch.set_num_threads(before)
+    return tuple(seconds)
+
+
+def timed_block_costs(class_path: str, init_args: dict | None = None, samples: int = 8, threads: int = 1,
+                      repeats: int = 7) -> tuple[float, ...]:
+    """Each block's forward and backward on this machine's CPU, seconds per sample (cached per arguments).
+
+    Args:
+        class_path: The LightningModule, e.g. src.models.classifier.LeNetClassifier (its `net` is timed).
+        init_args: Its keyword arguments (from the config).
+        samples: Samples per timed batch: `x: (samples, 1, 28, 28)` in the network's dtype (float32 by default).
+        threads: torch's intra-op threads while timing (restored after).
+        repeats: Timed training steps after one warm-up; each block's fastest is taken.
+
+    Returns:
+        Seconds per sample, one per block of `named_blocks`, in forward order.
+
+    Raises:
+        ValueError: samples, threads or repeats below 1.
+        ImportError, AttributeError: `class_path` names no importable class.
+    """
+    if min(samples, threads, repeats) < 1:
+        raise ValueError(f"samples, threads and repeats must be >= 1, got {samples}, {threads}, {repeats}")
+    return _timed(class_path, json.dumps(init_args or {}, sort_keys=True), samples, threads, repeats)

@@ -11,10 +11,14 @@ gradients and optimizer state:
     stage 3 (parameters too: FSDP's FULL_SHARD)         (p + g + k)·Ψ/N
 
 The paper's mixed-precision Adam has p = g = 2 and k = K = 12 (float32 master weights, momentum and variance).
-Activations, temporary buffers and allocator fragmentation are not model state and are not counted.
+Activations, temporary buffers and allocator fragmentation are not model state and are not counted. `memory_plan`
+takes the optimizer and precision from the options, or from the experiment config (src.scaling.step_precision reads
+its precision).
 """
 
 from dataclasses import dataclass
+
+from src.scaling.step_precision import config_precision
 
 STAGES = (0, 1, 2, 3)
 # optimizer state tensors of the size of the parameters, per optimizer (torch.optim): SGD's momentum buffer;
@@ -68,13 +72,23 @@ def bytes_per_element(optimizer: str, precision: str) -> BytesPerElement:
     raise ValueError(f"unknown memory precision {precision!r}; choose from {', '.join(PRECISIONS)}")
 
 
-def _split(stage: int, sizes: BytesPerElement) -> tuple[int, int]:
-    """(bytes per element every device keeps whole, bytes per element partitioned over the devices) at `stage`."""
-    p, g, k = sizes.params, sizes.grads, sizes.optimizer
-    splits = {0: (p + g + k, 0), 1: (p + g, k), 2: (p, g + k), 3: (0, p + g + k)}
-    if stage not in splits:
+def _kept_whole(stage: int, sizes: BytesPerElement) -> list[tuple[int, bool]]:
+    """(bytes per element, kept whole on every device) of parameters, gradients and optimizer state at `stage`:
+    stage 1 partitions the optimizer state, 2 the gradients too, 3 the parameters too."""
+    if stage not in STAGES:
         raise ValueError(f"unknown ZeRO stage {stage}; choose from {', '.join(map(str, STAGES))}")
-    return splits[stage]
+    return [(sizes.params, stage < 3), (sizes.grads, stage < 2), (sizes.optimizer, stage < 1)]
+
+
+def state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElement) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes on the fullest device at `stage`, a partition holding
+    ceil(Ψ / N) elements.
+
+    Raises:
+        ValueError: An unknown stage.
+    """
+    part = -(-parameters // devices)
+    return tuple(b * (parameters if whole else part) for b, whole in _kept_whole(stage, sizes))
 
 
 def model_state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElement) -> int:
@@ -97,8 +111,7 @@ def model_state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPer
     """
     if parameters < 1 or devices < 1:
         raise ValueError(f"parameters and devices must be >= 1, got {parameters} and {devices}")
-    whole, partitioned = _split(stage, sizes)
-    return whole * parameters + partitioned * -(-parameters // devices)
+    return sum(state_bytes(parameters, devices, stage, sizes))
 
 
 def fewest_devices(parameters: int, stage: int, sizes: BytesPerElement, limit_bytes: float) -> int | None:
@@ -149,10 +162,87 @@ def never_fits_reason(parameters: int, stage: int, sizes: BytesPerElement, limit
     Raises:
         ValueError: An unknown stage.
     """
-    whole, _ = _split(stage, sizes)
+    whole = sum(b for b, kept in _kept_whole(stage, sizes) if kept)
     if stage == 3:
         least = model_state_bytes(parameters, parameters, stage, sizes)
         return f"even one element per device ({parameters:,} devices) takes {least} bytes"
     kept = {0: "parameters, gradients and optimizer state", 1: "parameters and gradients", 2: "parameters"}[stage]
     over = "over the limit" if whole * parameters > limit_bytes else "too close to the limit for its partitioned part"
     return f"it keeps the {whole * parameters / GIB:.4g} GiB of {kept} whole on every device, {over} whatever the count"
+
+
+# src.models.classifier.ImageClassifier's defaults, for a config that leaves them out
+CLASSIFIER_OPTIMIZER, CLASSIFIER_MOMENTUM = "sgd", 0.9
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the model-state memory is computed for.
+
+    Args:
+        parameters: Ψ, the trainable parameters.
+        optimizer: A key of `src.scaling.memory.OPTIMIZER_STATES`.
+        precision: fp32, mixed or fp64.
+        sizes: Bytes per element of parameters, gradients and optimizer state.
+        source: Where the optimizer and the precision come from, in words.
+        memory_gib: The device memory to fit into, GiB (2**30 bytes), or None.
+    """
+
+    parameters: int
+    optimizer: str
+    precision: str
+    sizes: BytesPerElement
+    source: str
+    memory_gib: float | None = None
+
+
+def config_optimizer(cfg: dict) -> str:
+    """The optimizer an experiment config trains with: model.init_args.optimizer, "sgd" with a momentum > 0 being
+    "sgd_momentum" (ImageClassifier's defaults, sgd and momentum 0.9, where the config sets none).
+
+    Args:
+        cfg: The experiment config as read from YAML.
+
+    Raises:
+        ValueError: An optimizer whose state size is not known (the option that replaces it is named).
+    """
+    init = (cfg.get("model") or {}).get("init_args") or {}
+    name = init.get("optimizer", CLASSIFIER_OPTIMIZER)
+    if name == "sgd":
+        return "sgd_momentum" if float(init.get("momentum", CLASSIFIER_MOMENTUM)) > 0 else "sgd"
+    if name not in OPTIMIZER_STATES:
+        raise ValueError(f"the config's optimizer {name!r} has no known state size: give --optimizer "
+                         f"({', '.join(OPTIMIZER_STATES)})")
+    return name
+
+
+def memory_plan(parameters: int, optimizer: str | None, precision: str | None, memory_gib: float | None,
+                cfg: dict | None) -> MemoryPlan:
+    """The plan of `parameters` with the options given, the rest from `cfg` (None: a network known by its count).
+
+    Unset, the optimizer is the config's (`config_optimizer`), or Adam without a config; the precision is fp64
+    when the config trains in 64-true, else fp32.
+
+    Raises:
+        ValueError: An unknown optimizer or precision, or a config optimizer of unknown state size.
+    """
+    if optimizer is not None:
+        optimizer_source = "[user: --optimizer]"
+    elif cfg is None:
+        optimizer, optimizer_source = "adam", "[assumed: no config to read it from]"
+    else:
+        optimizer, optimizer_source = config_optimizer(cfg), "[config: model.init_args]"
+    if precision is not None:
+        precision_source = "[user: --memory_precision]"
+    elif cfg is None:
+        precision, precision_source = "fp32", "[assumed: no config to read it from]"
+    else:
+        trains_in = config_precision(cfg)
+        precision, precision_source = "fp64" if trains_in == "64-true" else "fp32", f"[config: {trains_in}]"
+    return MemoryPlan(parameters, optimizer, precision, bytes_per_element(optimizer, precision),
+                      f"optimizer {optimizer_source}, precision {precision_source}", memory_gib)
+
+
+def stage_gib(plan: MemoryPlan, devices: int) -> list[float]:
+    """Model state per device at each ZeRO stage 0..3 on `devices` devices, GiB (2**30 bytes)."""
+    return [model_state_bytes(plan.parameters, devices, s, plan.sizes) / GIB for s in STAGES]

@@ -17,8 +17,9 @@ band, one line per algorithm, with the measured points of the newest scaling rep
 same kind of hardware) into <out>/<model>/version_N/. See docs/forecast.md.
 """
 
+import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -27,23 +28,20 @@ import yaml
 from src.lab.spec import format_rate, parse_rate
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import ALGORITHMS, Compute, Job, Link, Links
-from src.scaling.forecast_args import group, parse_options
-from src.scaling.forecast_files import forecast_row, write_csv, write_markdown, write_plot
-from src.scaling.forecast_notes import EXCHANGE_NOTE, JITTER_NOTE, network_note, sync_note
-from src.scaling.hardware import WIRE_BYTES_PER_PAYLOAD_BYTE, hardware_preset, list_choices_in_help, shaped
-from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS
-from src.scaling.memory_section import MemoryPlan, answer_lines, assumptions, markdown_section, memory_plan, stage_gib
-from src.scaling.model_counts import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
-from src.scaling.published import PRECISIONS, bounds_for
-from src.scaling.report import newest_report
+from src.scaling.forecast_files import (answer_lines, forecast_row, memory_assumptions, memory_section, newest_report,
+                                        ways_section, ways_table_lines, write_csv, write_layouts, write_markdown,
+                                        write_plot)
+from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, hardware_preset, list_choices_in_help,
+                                  shaped)
+from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS, MemoryPlan, memory_plan, stage_gib
+from src.scaling.layer_profile import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
+from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.step_precision import config_precision, precision_line
-from src.scaling.three_ways import Setting
-from src.scaling.three_ways_section import (Ways, forecast_ways, markdown_section as ways_section, table_lines,
-                                            write_csv as write_layouts)
-from src.scaling.version_folders import next_version
+from src.scaling.three_ways import Setting, Ways, forecast_ways
 from src.strategies.comm.exchange_names import COMPRESSIONS
+from src.version_folders import next_version
 
 Algorithm = Literal[ALGORITHMS]
 TRAIN_IMAGES = 60_000  # Fashion-MNIST's training set, before the validation hold-out
@@ -264,6 +262,42 @@ class Forecast:
     setting: Setting | None = None
 
 
+# the assumption lines of forecast.md that do not depend on the question's numbers alone, each with where its
+# figures come from (docs/forecast.md, "Where the numbers come from")
+def network_note(net: Network, custom: bool, messages: int) -> str:
+    """The assumption line about the network: its size, its gradients and where the numbers come from."""
+    source = ("[user: --network_params, --grad_bytes]" if custom else
+              f"[measured: counted from the model]; {net.train_flops_per_image / 1e9:.4f} GFLOP per training image "
+              "(conv + dense, backward = 2x forward)")
+    return (f"network: {net.class_name}, {net.parameters:,} parameters, {net.gradient_bytes:,} bytes of "
+            f"{'/'.join(net.gradient_dtypes)} gradients per replica in {messages} allreduce call(s) per step "
+            + source)
+
+
+def sync_note(user_overhead: float | None, precision: str | None, bounds: Bounds) -> str:
+    """The assumption line about the sync overhead: the user's figure, or the fitted range for `precision`."""
+    what = "sync overhead (data-parallel hooks and bucket copies, processes sharing one host)"
+    if user_overhead is not None:
+        return f"{what}: {user_overhead:.1%} of the compute once devices > 1 [user: --sync_overhead]"
+    fits = "; ".join(f"{f.precision}: {f.bounds[0]:.1%} to {f.bounds[1]:.1%} (mean {f.mean:.1%} of "
+                     f"{len(f.implied)} rows)" for f in fit_sync().values())
+    return (f"{what}, precision {precision or 'unknown (both kinds)'}: {bounds.sync_overhead[0]:.1%} to "
+            f"{bounds.sync_overhead[1]:.1%} of the compute once devices > 1 [published: fitted on the calibration "
+            f"rows of src/scaling/calibration/published_scaling.csv, a {LEVEL:.0%} prediction interval per kind: "
+            f"{fits}]")
+
+
+JITTER_NOTE = (f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard "
+                "deviation) and the step waits for the slowest, E[max of p normals] x that [assumed: p50 and p95 "
+                "step times of https://github.com/pytorch/pytorch/blob/main/benchmarks/distributed/ddp/README.md "
+                "differ by 0 to 5%]")
+EXCHANGE_NOTE = ("exchange: alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009); a flat ring "
+                  "across nodes runs at the node's NICs together; the range's low end uses achieved bandwidths, no "
+                  "overlap and the upper jitter and sync bounds, its high end line rates, full overlap and the lower "
+                  "bounds; network congestion, tree / NVLS algorithms and memory limits are not modelled (the model "
+                  "state per device has its own section)")
+
+
 def predict(question: Question = Question(), user: Overrides = Overrides(),
             paths: Paths = Paths()) -> Forecast:
     """Predict every (algorithm, device count) of `question`, writing nothing.
@@ -359,10 +393,10 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
 
     Prints one line per prediction (ms/step, images/s, efficiency), then the precision of the one-device step
     (`src.scaling.step_precision.precision_line`), with --memory_gib the fewest devices whose model state fits
-    per ZeRO stage (`src.scaling.memory_section.answer_lines`), and writes forecast.md (with the model-state
+    per ZeRO stage (`src.scaling.forecast_files.answer_lines`), and writes forecast.md (with the model-state
     memory per device), forecast.csv and forecast.png into a new <out>/<model>/version_N/ (nothing is written if
     an input is bad). With --ways or --memory_budget_gib it also prints and writes (forecast.md, layouts.csv) the
-    layouts of data, pipeline and tensor parallelism (`src.scaling.three_ways_section`).
+    layouts of data, pipeline and tensor parallelism (`src.scaling.three_ways.forecast_ways`).
 
     Args:
         question: Config, hardware preset, device counts, algorithms and batch.
@@ -376,7 +410,7 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
         ValueError: Unknown preset or link (the valid ones are listed), a device count < 1, a batch size < 1,
             a missing calibration file (with the command that makes it), a config without a model, a
             --memory_gib that is not > 0, a config optimizer of unknown state size, or a layout the network or
-            the batch cannot take (`src.scaling.three_ways_section.predict_ways`).
+            the batch cannot take (`src.scaling.three_ways.predict_ways`).
     """
     result = predict(question, user, paths)
     custom = question.network_params is not None
@@ -391,7 +425,7 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
     section = ways_section(layouts, question.memory_budget_gib, question.block_costs) if layouts else []
     write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "",
-                   markdown_section(result.memory, question.devices) + (["", *section] if layouts else []))
+                   memory_section(result.memory, question.devices) + (["", *section] if layouts else []))
     write_csv(rows, root)
     if layouts:
         write_layouts(layouts, root)
@@ -403,12 +437,50 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     answers = answer_lines(result.memory)
     if answers:
         print(f"model state per device (activations, buffers and fragmentation not included): "
-              f"{assumptions(result.memory)}")
+              f"{memory_assumptions(result.memory)}")
         print("\n".join(answers))
     if layouts:
-        print("\n".join(table_lines(layouts, question.memory_budget_gib)))
+        print("\n".join(ways_table_lines(layouts, question.memory_budget_gib)))
     print(f"predicted (not measured): {root}/forecast.md, forecast.csv, forecast.png{', layouts.csv' * bool(layouts)}")
     return root
+
+
+# the command line: jsonargparse's errors turned into one line naming the nearest valid options
+def group(cls: type, options: dict) -> object:
+    """An instance of the dataclass `cls` from the parsed `options`, each field by its own name."""
+    return cls(**{f.name: options[f.name] for f in fields(cls)})
+
+
+def not_a_choice(text: str) -> str | None:
+    """"--optimizer 'lamb' is not one of sgd, sgd_momentum, adam, adamw" for jsonargparse's message about a value
+    that an option with choices does not take; None for any other message."""
+    key = re.search(r'Parser key "(\w+)"', text)
+    choices = re.search(r"Expected a typing\.Literal\[([^\]]*)\]", text)
+    value = re.search(r"Given value: (\S+)|Got value: (\S+)", text)
+    if not (key and choices and value):
+        return None
+    names = [c.strip().strip("'\"") for c in choices.group(1).split(",")]
+    given = (value.group(1) or value.group(2)).strip("'\"")
+    return f"--{key.group(1)} {given!r} is not one of {', '.join(names)}{did_you_mean(given, names)}"
+
+
+def parse_options(parser: object, args: list[str]) -> dict:
+    """`parser.parse_args(args)` as a dict; a bad option ends in one line naming the nearest valid ones.
+
+    Raises:
+        SystemExit: Code 2 after the line on stderr.
+    """
+    from jsonargparse import ArgumentError
+
+    try:
+        return parser.parse_args(args).as_dict()
+    except ArgumentError as err:
+        unknown = re.search(r"unrecognized arguments: --([\w-]+)", str(err))
+        options = [f"--{a.dest}" for a in parser._actions if a.dest not in ("help", "config")]
+        hint = did_you_mean(f"--{unknown.group(1).replace('-', '_')}", options) if unknown else ""
+        text = not_a_choice(str(err)) or " ".join(str(err).split())
+        print(f"python -m src.forecast: error: {text}{hint} (--help lists every option)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(args: list[str] | None = None) -> Path:

@@ -24,9 +24,9 @@ from pathlib import Path
 from src.scaling.cost_fit import BandPrediction, Bounds, predict_band
 from src.scaling.cost_model import Compute, Job, Links
 from src.scaling.hardware import HARDWARE, LINKS
+from src.scaling.layer_profile import DDP_BUCKET_BYTES
 
 TABLE = Path(__file__).parent / "calibration" / "published_scaling.csv"
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (25 MiB), as src.scaling.model_counts uses it
 
 # Precision classes with a calibration: full precision (FP32, or TF32 tensor cores) and PyTorch's native
 # automatic mixed precision (torch.autocast with a GradScaler, or Lightning's 16-mixed / bf16-mixed, which use
@@ -113,35 +113,9 @@ def load_table(path: Path = TABLE) -> list[Published]:
     return rows
 
 
-@dataclass(frozen=True)
-class Setting:
-    """What a prediction from a measured one-device rate needs, besides the bounds.
-
-    Args:
-        parameters: Trainable parameters of the network.
-        grad_bytes: Bytes per allreduced gradient element (4 for float32; PyTorch's native AMP keeps float32
-            gradients).
-        images_per_s: Measured images/s on one device at `batch_per_device`.
-        batch_per_device: Images per device and step.
-        devices: Devices in all.
-        hardware: Hardware preset name.
-        algorithm: "ring", "reduce_broadcast" or "hierarchical".
-        per_node: Devices per node (None: the preset's).
-    """
-
-    parameters: int
-    grad_bytes: int
-    images_per_s: float
-    batch_per_device: int
-    devices: int
-    hardware: str
-    algorithm: str = "ring"
-    per_node: int | None = None
-
-
 def buckets_for(n_bytes: float) -> int:
     """Allreduce calls per step: DDP's 25 MiB buckets over n bytes of gradient (at least one)."""
-    return max(1, math.ceil(n_bytes / BUCKET_BYTES))
+    return max(1, math.ceil(n_bytes / DDP_BUCKET_BYTES))
 
 
 def preset_links(hardware: str) -> tuple[Links, Links]:
@@ -152,32 +126,27 @@ def preset_links(hardware: str) -> tuple[Links, Links]:
             Links(intra.line_link(), inter.line_link(), preset.nics))
 
 
-def predict_setting(s: Setting, bounds: Bounds) -> BandPrediction:
-    """Predict the range of a setting from its measured one-device rate, with the preset's links.
+def predict_published(row: Published, bounds: Bounds) -> BandPrediction:
+    """Predict the range of a published row from its measured one-GPU rate, with its preset's links: a ring
+    allreduce of float32 gradients, the preset's GPUs per node.
 
     Compute per device is the measured step, batch / images_per_s, with no fixed part (weak scaling keeps the
     per-device batch, so only the measured step matters); the gradient goes in 25 MiB buckets, of which all
     but one can overlap backward for the point prediction (equal buckets assumed).
 
     Args:
-        s: The setting.
+        row: The published measurement.
         bounds: Jitter and sync-overhead bounds.
 
     Returns:
         Point, pessimistic and optimistic predictions.
     """
-    achieved, line = preset_links(s.hardware)
-    per_node = s.per_node or HARDWARE[s.hardware].per_node
-    n_bytes = s.parameters * s.grad_bytes
+    achieved, line = preset_links(row.hardware)
+    n_bytes = row.parameters * 4
     messages = buckets_for(n_bytes)
-    job = Job(s.algorithm, s.devices, s.batch_per_device, "per_device", Compute(0.0, 1.0 / s.images_per_s), n_bytes,
-              per_node, messages)
+    job = Job("ring", row.gpus, row.batch_per_gpu, "per_device", Compute(0.0, 1.0 / row.one_gpu_images_per_s),
+              n_bytes, HARDWARE[row.hardware].per_node, messages)
     return predict_band(job, achieved, line, 1.0 - 1.0 / messages, bounds)
-
-
-def setting_of(row: Published) -> Setting:
-    """The setting of a published row (ring allreduce, float32 gradients)."""
-    return Setting(row.parameters, 4, row.one_gpu_images_per_s, row.batch_per_gpu, row.gpus, row.hardware)
 
 
 def _implied_overhead(row: Published) -> float:
@@ -189,7 +158,7 @@ def _implied_overhead(row: Published) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(50):
         mid = (lo + hi) / 2
-        if predict_setting(setting_of(row), Bounds(JITTER, (mid, mid))).point.efficiency > row.efficiency:
+        if predict_published(row, Bounds(JITTER, (mid, mid))).point.efficiency > row.efficiency:
             lo = mid
         else:
             hi = mid

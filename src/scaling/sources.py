@@ -12,7 +12,7 @@ from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Link
 from src.scaling.hardware import (ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, did_you_mean,
                                    link_names)
-from src.scaling.model_counts import Network, inspect_network
+from src.scaling.layer_profile import Network, inspect_network
 
 # Shipped inside the package (package data), so it is found wherever the package is installed, whatever the
 # working directory; `python -m src.forecast --calibrate` rewrites it unless --calibration names another file.

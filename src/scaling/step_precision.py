@@ -6,7 +6,7 @@ the config's own precision exists, the forecast says which one it used instead, 
 """
 
 from src.scaling.hardware import DEVICES, REFERENCE_GPU
-from src.scaling.model_counts import Network
+from src.scaling.layer_profile import Network
 
 # Lightning's short precision names and the full ones they stand for (lightning.fabric.connector)
 _LONG = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}

@@ -28,20 +28,28 @@ the activations saved for backward at their peak, the pipeline's receive buffers
 * Copies side by side (pipelines or replicas, c of them): each takes B / c samples, and after backward the
   processes holding the same part average their gradients: one ring allreduce over c of the local gradient bytes.
 
+`Ways` (the options of `--ways`) and `predict_ways` / `forecast_ways` predict every layout on each device count
+and the fastest that fits a memory budget; src.scaling.forecast_files writes them.
+
 Every multi-process compute is multiplied by (1 + sync + jitter x E[max of D normals]) as in `predict_step`.
 Units: seconds, bytes, samples.
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import combinations
+from typing import Literal
 
-from src.scaling.cost_model import Compute, Job, Link, Links, allreduce_s, expected_max_normal, predict_step
-from src.scaling.memory import BytesPerElement
+import yaml
+
+from src.scaling.cost_model import (Compute, Job, Link, Links, allreduce_s, expected_max_normal, global_batch_for,
+                                    predict_step)
+from src.scaling.memory import GIB, BytesPerElement, state_bytes
 from src.scaling.net_profile import NetProfile, check_shares, local_elements, saved_bytes, stage_saved
 from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble_fraction, in_flight
 
 WAYS = ("data", "pipeline", "tensor_parallel")
+_WAY_NAMES = {"data": "data", "pipeline": "pipeline", "tensor": "tensor_parallel"}  # --ways' names
 _SEARCHED_CUTS = 20_000  # an auto cut tries every cut up to this many, else balances the block costs
 
 
@@ -60,7 +68,8 @@ class Setting:
         messages: Data parallelism's allreduce calls per step (gradient buckets).
         activation_bytes: Bytes per activation element (4 for float32, 8 for 64-true).
         block_costs: Each block's cost, whose shares split a pipeline's compute between its stages, e.g. its
-            measured seconds per sample (`src.scaling.block_timing`); None: the blocks' multiply-adds.
+            measured seconds per sample (`src.scaling.layer_profile.timed_block_costs`); None: the blocks'
+            multiply-adds.
     """
 
     compute: Compute
@@ -245,13 +254,11 @@ def _data(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> 
     d, stage, psi, s = layout.processes, layout.zero_stage, profile.parameters, setting.sizes
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"unknown ZeRO stage {stage}; choose 0 to 3")
-    part = -(-psi // d)
     grad_bytes = s.grads * psi * (1.5 if stage == 3 else 1.0)
     job = Job("ring", d, batch, "global", setting.compute, grad_bytes, setting.per_node, setting.messages)
     step = predict_step(job, setting.links, setting.overlap, setting.jitter, setting.sync)
     activations = saved_bytes(profile, range(len(profile.saved)), batch / d) * _scale(profile, setting)
-    rank = RankFigures(0, s.params * (part if stage == 3 else psi), s.grads * (part if stage >= 2 else psi),
-                       s.optimizer * (part if stage >= 1 else psi), activations, 0.0, 2 * (d - 1) / d * grad_bytes)
+    rank = RankFigures(0, *state_bytes(psi, d, stage, s), activations, 0.0, 2 * (d - 1) / d * grad_bytes)
     ranks = tuple(replace(rank, rank=r) for r in range(d))
     return LayoutFigures(layout, batch, ranks, step.compute_s, step.exchange_s - step.hidden_s, step.step_s)
 
@@ -421,3 +428,202 @@ def _tensor(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -
     ranks = tuple(RankFigures(r, s.params * elements, s.grads * elements, s.optimizer * elements, activations, 0.0,
                               sent) for r in range(layout.processes))
     return LayoutFigures(layout, batch, ranks, compute, exchange + copy_s, compute + exchange + copy_s)
+
+
+@dataclass(frozen=True)
+class Ways:
+    """The three ways of splitting training (docs/three-ways.md) to predict, on each of --devices.
+
+    Args:
+        ways: Which to predict: data (every ZeRO stage), pipeline (one pipeline of all the devices, and pipelines
+            side by side), tensor (shares of every split layer, and replicas side by side). Unset: none, unless
+            --memory_budget_gib is given (then all three). Needs --config: the network is profiled block by block.
+        microbatches: Micro-batches per pipeline batch; must divide the batch each pipeline gets.
+        schedules: Pipeline schedules: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble (the last two run 2
+            stages on each process).
+        cuts: auto (the cut the model predicts fastest), or the block each later pipeline stage begins with, as a
+            list (e.g. "[features.3]" for LeNet, "[stages.2]" for ResNet-18), for the pipelines of that many
+            stages + 1.
+        memory_budget_gib: Memory per device in GiB (2**30 bytes) for model state, activations and the pipeline's
+            buffers: the forecast marks the layouts that fit and names the fastest of them per device count.
+        block_costs: What splits a pipeline's compute between its stages: macs (each block's multiply-adds, for
+            any hardware) or timed (each block's forward and backward timed here on the CPU at one thread, a
+            micro-batch at a time: for a forecast of this CPU, where activations and pooling cost more than their
+            multiply-adds say; `src/scaling/layer_profile.py`).
+    """
+
+    ways: list[Literal["data", "pipeline", "tensor"]] | None = None
+    microbatches: int = 4
+    schedules: list[Literal[SCHEDULES]] = field(default_factory=lambda: ["gpipe", "1f1b"])
+    cuts: str = "auto"
+    memory_budget_gib: float | None = None
+    block_costs: Literal["macs", "timed"] = "macs"
+
+    @property
+    def asked(self) -> bool:
+        """Whether any of the three ways is to be predicted."""
+        return bool(self.ways) or self.memory_budget_gib is not None
+
+    def cut_names(self) -> list[str] | None:
+        """The cut's block names, or None for auto.
+
+        Raises:
+            ValueError: --cuts that is neither auto nor a list of names.
+        """
+        if self.cuts.strip() == "auto":
+            return None
+        try:
+            names = yaml.safe_load(self.cuts)
+        except yaml.YAMLError:
+            names = None
+        if not names or isinstance(names, dict):
+            raise ValueError(f"--cuts {self.cuts!r} is neither auto nor a list of block names such as "
+                             "\"[features.3]\"")
+        return [str(n) for n in (names if isinstance(names, list) else [names])]
+
+    def chosen(self) -> list[str]:
+        """The ways to predict, by `src.scaling.three_ways` names."""
+        return [_WAY_NAMES[w] for w in (self.ways or list(_WAY_NAMES))]
+
+
+@dataclass(frozen=True)
+class DeviceAnswer:
+    """Every layout predicted on one device count, and the budget's answer.
+
+    Args:
+        devices: The device count.
+        figures: Every layout's prediction, fastest first.
+        skipped: Layouts that cannot run, each with the reason.
+        answer: The fastest layout that fits the budget, or why none does ("" without a budget).
+    """
+
+    devices: int
+    figures: list[LayoutFigures]
+    skipped: list[str]
+    answer: str = ""
+
+
+def cut_starts_of(profile: NetProfile, cuts: list[str]) -> tuple[int, ...]:
+    """The first block of each pipeline stage when the later stages begin with the blocks named `cuts`.
+
+    Raises:
+        ValueError: A name that is no block of `profile`, or cuts out of order
+            (`src.strategies.pipeline_stages.cut_starts`).
+    """
+    from src.strategies.pipeline_stages import cut_starts
+
+    return tuple(cut_starts([(n, None) for n in profile.names], cuts, len(cuts) + 1))
+
+
+def _layouts(ways: Ways, devices: int, profile: NetProfile) -> list[Layout]:
+    """Every layout of `ways` on `devices` devices: one device alone; data parallelism at each ZeRO stage; one
+    pipeline of all the devices per schedule and pipelines side by side; the shares of all the devices and replicas
+    side by side."""
+    if devices == 1:
+        return [Layout("data", 1)]
+    chosen, m = ways.chosen(), ways.microbatches
+    names = ways.cut_names()
+    starts = None if names is None else cut_starts_of(profile, names)
+    copies = [c for c in range(1, devices) if devices % c == 0]
+    layouts = [Layout("data", devices, 1, stage) for stage in range(4)] if "data" in chosen else []
+    if "pipeline" in chosen:
+        layouts += [Layout("pipeline", devices, c, 0, s, m, starts) for c in copies for s in ways.schedules]
+    if "tensor_parallel" in chosen:
+        layouts += [Layout("tensor_parallel", devices, c) for c in copies]
+    return layouts
+
+
+def predict_ways(ways: Ways, profile: NetProfile, devices: list[int], batches: list[int],
+                 setting: Setting) -> list[DeviceAnswer]:
+    """Every layout of `ways` on each device count, at that count's global batch.
+
+    A layout the network or the batch cannot take is listed with the reason ("cannot run"); when none of a way's
+    layouts can run on any device count, that is an error.
+
+    Args:
+        ways: The options.
+        profile: The network.
+        devices: Device counts.
+        batches: The global batch at each device count.
+        setting: Costs and sizes.
+
+    Returns:
+        One answer per device count, in order.
+
+    Raises:
+        ValueError: A budget that is not > 0, micro-batches below 1, cuts that name no block; or, for every layout of
+            a way, micro-batches not dividing the batch, more pipeline stages than blocks, cuts that do not give one
+            stage per process, shares that do not divide a split layer or no plan for the network.
+    """
+    if ways.memory_budget_gib is not None and not ways.memory_budget_gib > 0:
+        raise ValueError(f"--memory_budget_gib must be > 0 (GiB per device), got {ways.memory_budget_gib}")
+    if ways.microbatches < 1:
+        raise ValueError(f"--microbatches must be >= 1, got {ways.microbatches}")
+    answers, ran, refused = [], set(), {}
+    for d, batch in zip(devices, batches):
+        figures, skipped = [], []
+        for layout in _layouts(ways, d, profile):
+            try:
+                figures.append(predict_layout(profile, layout, batch, setting))
+                ran.add(layout.way)
+            except ValueError as err:
+                skipped.append(f"{layout.label()}: {err}")
+                refused.setdefault(layout.way, str(err))
+        figures.sort(key=lambda f: f.step_s)
+        answers.append(DeviceAnswer(d, figures, skipped, _answer(ways.memory_budget_gib, d, figures)))
+    for way, reason in refused.items():
+        if way not in ran:
+            raise ValueError(reason)
+    return answers
+
+
+def forecast_ways(ways: Ways, cfg: dict | None, devices: list[int], batch: int, batch_mode: str,
+                  setting: Setting) -> list[DeviceAnswer]:
+    """`predict_ways` for the experiment config `cfg`: its network profiled, its precision's activation bytes (8 in
+    64-true, else 4), and each device count's global batch by `batch_mode` as the data-parallel rows take it.
+
+    Args:
+        ways: The options.
+        cfg: The experiment config as read from YAML; None for a network known by its parameter count only.
+        devices: Device counts.
+        batch: The question's batch (per device or global, by `batch_mode`).
+        batch_mode: "per_device" or "global".
+        setting: Costs and sizes.
+
+    Returns:
+        As `predict_ways`.
+
+    Raises:
+        ValueError: No config (--network_params), or as `predict_ways`.
+    """
+    from src.scaling.layer_profile import profile_network
+    from src.scaling.step_precision import config_precision
+
+    if cfg is None:
+        raise ValueError("--ways and --memory_budget_gib need the network's layers: give --config (not "
+                         "--network_params)")
+    profile = profile_network(cfg["model"]["class_path"], cfg["model"].get("init_args"))
+    setting = replace(setting, activation_bytes=8 if config_precision(cfg) == "64-true" else 4)
+    batches = [global_batch_for(batch, d, batch_mode) for d in devices]
+    if ways.block_costs == "timed":
+        from src.scaling.layer_profile import timed_block_costs
+
+        micro = max(1, batches[-1] // ways.microbatches)  # the largest device count's micro-batch
+        setting = replace(setting, block_costs=timed_block_costs(cfg["model"]["class_path"],
+                                                                 cfg["model"].get("init_args"), samples=micro))
+    return predict_ways(ways, profile, devices, batches, setting)
+
+
+def _answer(budget_gib: float | None, devices: int, figures: list[LayoutFigures]) -> str:
+    """The fastest layout whose fullest process fits in the budget, or the one that needs least and by how much."""
+    if budget_gib is None:
+        return ""
+    fit = [f for f in figures if f.fullest.total <= budget_gib * GIB]
+    if fit:
+        best = fit[0]
+        return (f"fastest that fits in {budget_gib:g} GiB on {devices} device{'s' * (devices > 1)}: "
+                f"{best.layout.label()}, {best.step_s * 1e3:.1f} ms/step, {best.fullest.total / GIB:.4g} GiB on "
+                f"its fullest process ({len(fit)} of {len(figures)} layouts fit)")
+    least = min(figures, key=lambda f: f.fullest.total)
+    return (f"nothing fits in {budget_gib:g} GiB on {devices} device{'s' * (devices > 1)}: the least is "
+            f"{least.layout.label()}, {least.fullest.total / GIB:.4g} GiB on its fullest process")

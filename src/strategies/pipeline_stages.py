@@ -151,7 +151,7 @@ def _split(n: int, stages: int, add: Callable[[int, int, float], float]) -> tupl
 def layer_macs(layer: nn.Module, output: Tensor) -> float:
     """One sample's multiply-adds in `layer`'s forward, given its output on a batch: a convolution's output elements
     times the inputs each one sums, a dense layer's inputs times outputs, 0 for any other layer (the forecast counts
-    with it, `src.scaling.layer_profile` and `src.scaling.model_counts`)."""
+    with it, `src.scaling.layer_profile`)."""
     if isinstance(layer, nn.Conv2d):
         return float(output[0].numel() * (layer.in_channels // layer.groups) * layer.kernel_size[0]
                      * layer.kernel_size[1])

@@ -6,7 +6,8 @@
 Each run is a real `python -m src.cli fit` with the strategy's overlay from configs/strategy/, logged to
 TensorBoard as `<model>-<strategy>-<devices>` in one report folder, so `tensorboard --logdir <folder>` overlays
 their curves. The folder then gets scaling.md, scaling.csv and scaling.png (images/s against devices).
-The scaling predictor (`python -m src.forecast`) draws the newest report's points, found by `newest_report`.
+The scaling predictor (`python -m src.forecast`) draws the newest report's points: it reads scaling.csv
+(`src.scaling.forecast_files.newest_report`) and does not import this module.
 """
 
 import csv
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 
 import yaml
 
-from src.scaling.version_folders import next_version
+from src.version_folders import next_version
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -252,29 +253,6 @@ def run_scaling(config: str, strategies: list[Strategy] = ["single", "split_allr
     write_report(rows, report, title, shared_cores=accelerator == "cpu")
     print(f"report: {report}/scaling.md, scaling.csv, scaling.png; curves: tensorboard --logdir {report}")
     return report
-
-
-def newest_report(model_dir: Path, accelerator: str) -> tuple[list[dict], Path | None]:
-    """The rows of the newest scaling report in `model_dir` measured on `accelerator`, read from its scaling.csv.
-
-    Reports are `model_dir/version_N/scaling.csv`, newest = highest N. A report without the `accelerator`
-    column (written before it existed) is skipped: what its devices were cannot be told from its rows.
-
-    Args:
-        model_dir: `<out>/<model>` of `run_scaling`; it need not exist.
-        accelerator: "cpu" or "gpu".
-
-    Returns:
-        (rows as dicts of strings keyed by `Row`'s field names, the report's folder), or ([], None) if none.
-    """
-    numbered = [p for p in model_dir.glob("version_*/scaling.csv") if p.parent.name.split("_", 1)[1].isdigit()]
-    versions = sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))
-    for csv_path in reversed(versions):
-        with open(csv_path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        if rows and all(r.get("accelerator") == accelerator for r in rows):
-            return rows, csv_path.parent
-    return [], None
 
 
 def main(args: list[str] | None = None) -> Path:
