@@ -420,13 +420,13 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # the closure's backward exchanges the buckets, before the user's hooks, clipping and the update; the
         # partitioned optimizer (`zero_stage`) updates each replica's partition and all-gathers the parameters itself
-        replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
+        optimizer = self.optimizers[0]  # maybe not Lightning's: a callback's new one
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         if (partitioned := self._partitioned()) is None:
             self.replica_set.drop_other_gradients()
             self.replica_set.updated()  # they take replica 0's parameters once, before the next forward pass
         self._update_bytes = [] if partitioned is None else list(partitioned.bytes_sent)
-        if any(True for _ in replica0.buffers()):
+        if self.replica_set.watch.has_buffers():  # replica 0's modules as walked at this batch's start
             sync_every_buffer_(self.replica_set.modules, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
         if self.split_weights == "auto":
