@@ -8,7 +8,6 @@ replicate, run the replicas, gather). `optimizer_step` is the update: backward w
 collectives) are the base class, `src.strategies.processes`; the replicas are `src.strategies.replicas`.
 """
 
-import gc
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from functools import partial
@@ -266,11 +265,6 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
         self._make_exchange()
         self._batch_count = GlobalBatchCount(self.global_rank, self.total_replicas, self.root_device)
-        # the replicas' copies, made at setup, are long-lived objects the collector has not examined yet: its first
-        # full pass over them, due a few dozen steps later, runs now instead, before the first step (LeNet 1 x 2 on
-        # the CPU: otherwise one step at about step 50 stalls for 0.2-0.3 s, measured; the app on one device reaches
-        # its first one some 900 steps later)
-        gc.collect()
 
     def _partitioned(self) -> PartitionedOptimizer | None:
         """The optimizer Lightning holds, if it is the partitioned one (`zero_stage`, from train start to teardown)."""
