@@ -299,7 +299,8 @@ class ReplicaSet:
             sizes: n_k per replica, summing to N (`src.batch_shares.shard_sizes`).
             timed: Given each replica's seconds of its forward pass (`split_weights: auto` while it measures).
         """
-        # a training step follows the walk of replica 0 at its batch's start (`follow`): no hook runs in between
+        # a training step reads replica 0's modules as walked at its batch's start (`follow`), after the user's
+        # `on_train_batch_start` hooks, the last that change modules; modes are read from the modules themselves
         modules = [self.watch.modules, *self._submodules[1:]] if replicate and self.watch is not None else None
         with phase("scatter"):
             call = ShardedCall(hook, scatter(args[0], sizes), sizes, args[1:], kwargs, modules)
