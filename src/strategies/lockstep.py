@@ -134,7 +134,7 @@ def lockstep_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
             the others are released from the rendezvous (`Barrier.abort`) instead of waiting for it.
     """
     participants = [k for k, n in enumerate(call.sizes) if n]
-    moved = {k: prepare_replica(replicas, k, call.shards[k], devices[k]) for k in participants}
+    moved = {k: prepare_replica(replicas, k, call.shards[k], devices[k], call.modules) for k in participants}
     outputs: list[Any] = [None] * len(replicas)
     errors: dict[int, BaseException] = {}
     rendezvous = group.rendezvous = Rendezvous(participants)

@@ -4,8 +4,8 @@ shards. Its `param_groups` are the user's own list, so an lr set through a hook'
 or `trainer.optimizers[0]` is the one the partitions step with; `state_dict()` is one device's, whole; hooks receive
 it. It updates every replica itself (its partitions' update, then the all-gather of the parameters), so it is a
 `ReplicaUpdate`: what the strategy asks, after Lightning's step, of the optimizer Lightning holds (a plain one is
-asked through the strategy's `WholeUpdate`). And the precision plugin that clips stage 2's partitions when Lightning clips
-(`over_partitions`).
+asked through the strategy's `WholeUpdate`). And the precision plugin that clips stage 2's partitions when Lightning
+clips (`over_partitions`).
 """
 
 from typing import TYPE_CHECKING, Any

@@ -17,7 +17,7 @@ only that is carried; it also refuses an optimizer over tensors the replicas do 
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -70,7 +70,11 @@ def merge_metrics_(pairs: list[tuple[Metric, Metric]]) -> None:
     for target, source in pairs:
         if source.update_count == 0:
             continue
-        target.merge_state(move_data_to_device(source.metric_state, target.device))
+        state = source.metric_state
+        # every state a tensor already on replica 0's device (replicas sharing one): `.to` would return each as it is
+        if not all(isinstance(v, Tensor) and v.device == target.device for v in state.values()):
+            state = move_data_to_device(state, target.device)
+        target.merge_state(state)
         forget_computed_value(target)
         source.reset()
 
@@ -90,16 +94,29 @@ def copy_parameters_(replicas: list[nn.Module], buffers: bool = False) -> None:
         copy_tensors_(tensors(replica), source)
 
 
-def copy_tensors_(targets: list[Tensor], sources: list[Tensor]) -> None:
+CopyPlan = list[tuple[list[Tensor], list[Tensor]]] | None  # (targets, sources) per dtype, or None: tensor by tensor
+
+
+def copy_plan(targets: list[Tensor], sources: list[Tensor]) -> CopyPlan:
+    """How `copy_tensors_` copies `sources` into `targets`: where all targets lie on their source's device, the pairs
+    grouped by the source's dtype (one multi-tensor copy each), else None (tensor by tensor)."""
+    if not all(t.device == s.device for t, s in zip(targets, sources)):
+        return None
+    by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    for t, s in zip(targets, sources):
+        dst, src = by_dtype.setdefault(s.dtype, ([], []))
+        dst.append(t)
+        src.append(s)
+    return list(by_dtype.values())
+
+
+def copy_tensors_(targets: list[Tensor], sources: list[Tensor], plan: CopyPlan | Literal["make"] = "make") -> None:
     """targets[i].copy_(sources[i]) for every i: where all targets lie on their source's device, one multi-tensor copy
-    per dtype (`torch._foreach_copy_`: ResNet-18's 60 buffers in 2 calls, not 60 copies), else tensor by tensor."""
-    if all(t.device == s.device for t, s in zip(targets, sources)):
-        by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-        for t, s in zip(targets, sources):
-            dst, src = by_dtype.setdefault(s.dtype, ([], []))
-            dst.append(t)
-            src.append(s)
-        for dst, src in by_dtype.values():
+    per dtype (`torch._foreach_copy_`: ResNet-18's 60 buffers in 2 calls, not 60 copies), else tensor by tensor.
+    `plan`: `copy_plan(targets, sources)` made before, for tensors copied at every step; "make": made here."""
+    plan = copy_plan(targets, sources) if isinstance(plan, str) else plan
+    if plan is not None:
+        for dst, src in plan:
             torch._foreach_copy_(dst, src)
     else:
         for t, s in zip(targets, sources):
@@ -121,7 +138,9 @@ class Replica0Watch:
         self.replica_params = params if params is not None else [list(r.parameters()) for r in replicas]
         self.params = self.replica_params[0]
         _check_same_parameters(self.params, list(replicas[0].parameters()))  # e.g. replaced since the lists were made
-        self._walked = module_tree(replicas[0])[1]  # what `check_parameters` compares with
+        # replica 0's submodules as of the last `check_parameters` (the walk at each batch's start), and its parameters
+        # then, what that check compares with
+        self.modules, self._walked = module_tree(replicas[0])
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.trainable: tuple[bool, ...] | None = None  # the requires_grad flags the replicas were given last
         self.optimizer: Optimizer | None = None  # the optimizer recorded last
@@ -131,8 +150,14 @@ class Replica0Watch:
     def check_parameters(self) -> None:
         """Raises RuntimeError if replica 0's parameters are no longer those the replicas were copied from: one walk of
         its modules (`module_tree`, no hashing) finds a parameter added, removed or replaced, also in a new
-        submodule."""
-        _check_same_parameters(self._walked, module_tree(self.replicas[0])[1])
+        submodule. The walk's modules are kept (`modules`): the step reads them instead of walking again."""
+        self.modules, params = module_tree(self.replicas[0])
+        _check_same_parameters(self._walked, params)
+
+    def has_buffers(self) -> bool:
+        """Whether replica 0 held a buffer (e.g. BatchNorm's running statistics) at the last walk: what
+        `any(replica0.buffers())` says, without `named_modules`' walk (which hashes every torchmetrics state)."""
+        return any(m._buffers and any(b is not None for b in m._buffers.values()) for m in self.modules)
 
     def follow_trainable(self) -> bool:
         """Give every other replica replica 0's `requires_grad` flags.
@@ -220,9 +245,14 @@ class ReplicaSet:
         self.devices = devices
         self.sync_group, self._plain_batchnorms = convert_(self.modules, across_processes) if sync_batchnorm else \
             (None, [])
+        # the other replicas' submodules, walked once (after synchronised BatchNorm replaced theirs): only the strategy
+        # reaches them, and it never adds or replaces one
+        self._submodules = [module_tree(m)[0] for m in self.modules]
         # each replica's parameters, made once: a step reads them without walking the modules (the watch checks that
         # replica 0 keeps them)
         self.params = [list(m.parameters()) for m in self.modules]
+        # how each other replica takes replica 0's parameters (`copy_plan`), made once: the same tensors every step
+        self._copy_plans = [copy_plan(params, self.params[0]) for params in self.params[1:]]
         self._metric_pairs = [metric_pairs(replica0, r) for r in self.modules[1:]]
         self.watch: Replica0Watch | None = None  # what the flags and the agreement were made from
         self._behind = False  # replicas 1..K-1 hold replica 0's parameters of before its last update (`updated`)
@@ -269,8 +299,11 @@ class ReplicaSet:
             sizes: n_k per replica, summing to N (`src.batch_shares.shard_sizes`).
             timed: Given each replica's seconds of its forward pass (`split_weights: auto` while it measures).
         """
+        # a training step reads replica 0's modules as walked at its batch's start (`follow`), after the user's
+        # `on_train_batch_start` hooks, the last that change modules; modes are read from the modules themselves
+        modules = [self.watch.modules, *self._submodules[1:]] if replicate and self.watch is not None else None
         with phase("scatter"):
-            call = ShardedCall(hook, scatter(args[0], sizes), sizes, args[1:], kwargs)
+            call = ShardedCall(hook, scatter(args[0], sizes), sizes, args[1:], kwargs, modules)
         if replicate:
             self.take_replica0_parameters()
         seconds: list[float] = []
@@ -308,8 +341,8 @@ class ReplicaSet:
             if buffers:
                 copy_parameters_(self.modules, buffers)
             else:
-                for params in self.params[1:]:
-                    copy_tensors_(params, self.params[0])
+                for params, plan in zip(self.params[1:], self._copy_plans):
+                    copy_tensors_(params, self.params[0], plan)
 
     def drop_other_gradients(self) -> None:
         """After the update: replicas 1..K-1 drop their gradients (Lightning zeroes replica 0's optimizer's only)."""
@@ -355,3 +388,4 @@ class ReplicaSet:
         revert_(self._plain_batchnorms)
         self._plain_batchnorms = []
         self.modules, self.params, self._metric_pairs, self.sync_group, self.watch = [], [], [], None, None
+        self._submodules, self._copy_plans = [], []

@@ -31,6 +31,9 @@ class ShardedCall:
         sizes: Samples in each shard; a replica whose shard is empty is skipped and its output is None.
         args: Further positional arguments of the hook (e.g. batch_idx).
         kwargs: Its keyword arguments.
+        modules: Each replica's submodules in `module_tree` order, replica 0's as walked at this batch's start
+            (`ReplicaSet.forward` in a training step), so that a replica takes replica 0's modes without walking
+            both modules again; None: walked when the shard is prepared (`prepare_replica`).
     """
 
     hook: str
@@ -38,6 +41,7 @@ class ShardedCall:
     sizes: list[int]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    modules: list[list[nn.Module]] | None = None
 
     @property
     def phase(self) -> str:
@@ -93,7 +97,8 @@ def module_tree(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
                 params.append(p)
-        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+        if m._modules:  # most modules are leaves: no generator for them
+            stack.extend([c for c in reversed(m._modules.values()) if c is not None])
     return modules, params
 
 
@@ -103,14 +108,18 @@ def _synced_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, device: torch.device) -> Any:
+def prepare_replica(replicas: list["pl.LightningModule"], k: int, shard: Any, device: torch.device,
+                    modules: list[list[nn.Module]] | None = None) -> Any:
     """Move shard k to `device` through replica 0's transfer hooks; replica k > 0 first takes replica 0's
     train/eval mode per submodule (and whether each BatchNorm tracks running statistics) and its running hook
-    name. Returns the shard on the device."""
+    name. `modules`: each replica's submodules (`ShardedCall.modules`), or None to walk them here. Returns the
+    shard on the device."""
     replica0, replica = replicas[0], replicas[k]
     if k:
+        sources, targets = (modules[0], modules[k]) if modules is not None else \
+            (module_tree(replica0)[0], module_tree(replica)[0])
         # set only what differs: nn.Module.__setattr__ is slow, and in a step the modes mostly agree already
-        for source, target in zip(module_tree(replica0)[0], module_tree(replica)[0]):
+        for source, target in zip(sources, targets):
             if target.training != source.training:
                 target.training = source.training
             # e.g. BaseFinetuning.freeze(train_bn=False) turns it off
@@ -146,7 +155,7 @@ def parallel_apply(replicas: list["pl.LightningModule"], devices: list[torch.dev
         if call.sizes[k] == 0:
             continue
         replica, device = replicas[k], devices[k]
-        shard = prepare_replica(replicas, k, call.shards[k], device)
+        shard = prepare_replica(replicas, k, call.shards[k], device, call.modules)
         start = _synced_clock(device) if timed else 0.0
         with replica_phase(k, call.phase), logged_batch(replicas[0], shard):
             outputs[k] = getattr(replica, call.hook)(shard, *call.args, **call.kwargs)

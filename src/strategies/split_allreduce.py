@@ -166,7 +166,8 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
     @property
     def bytes_sent(self) -> list[int]:
         """Bytes each device sent in the last optimizer step's gradient exchange (its allreduce, or its bucket
-        operation) and in the update's own exchange (`ReplicaUpdate.after_step`: ZeRO's all-gather of the parameters)."""
+        operation) and in the update's own exchange (`ReplicaUpdate.after_step`: ZeRO's all-gather of the
+        parameters)."""
         sent = self.exchange.bytes_sent if self.exchange is not None else []
         return [a + b for a, b in zip(sent, self._update_sent)] if self._update_sent else list(sent)
 
@@ -419,10 +420,10 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # the closure's backward exchanges the buckets, before the user's hooks, clipping and the update; a
         # partitioned optimizer (ZeRO) updates each replica's partition and all-gathers the parameters itself
-        replica0, optimizer = self.lightning_module, self.optimizers[0]  # maybe not Lightning's: a callback's new one
+        optimizer = self.optimizers[0]  # maybe not Lightning's: a callback's new one
         out = super().optimizer_step(optimizer, partial(self._closure_with_exchange, closure), model, **kwargs)
         self._update_sent = self._update().after_step(self.replica_set)
-        if any(True for _ in replica0.buffers()):
+        if self.replica_set.watch.has_buffers():  # replica 0's modules as walked at this batch's start
             sync_every_buffer_(self.replica_set.modules, self.sync_buffers_mode, self.multi_process)
         self.optimizer_steps += 1
         if self.split_weights == "auto":

@@ -9,6 +9,7 @@ the bytes each device sent, so the communication cost is visible and checkable:
   Horovod use): every device sends 2(K-1)/K·N bytes, whatever K, so no device is a bottleneck.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,7 +67,13 @@ def reduce_broadcast_(buffers: Sequence[Tensor]) -> list[int]:
 
 def ring_chunk_sizes(n: int, num_devices: int) -> list[int]:
     """Sizes of the K chunks a ring cuts an n-element buffer into: they differ by at most one element."""
-    return shard_sizes(n, [1.0] * num_devices)
+    return list(_equal_chunks(n, num_devices))
+
+
+@functools.lru_cache(maxsize=1024)
+def _equal_chunks(n: int, num_devices: int) -> tuple[int, ...]:
+    # a step cuts the same buckets every time: their sizes are worked out once
+    return tuple(shard_sizes(n, [1.0] * num_devices))
 
 
 def ring_step(k: int, step: int, num_devices: int, phase: str) -> tuple[int, int]:

@@ -305,7 +305,9 @@ class GradientExchange:
         """
         left = self._ready.disarm() if self._ready is not None else None
         self._finish_handed()
-        self.gradient_bytes = [sum(nbytes(p.grad) for p in ps if p.grad is not None) for ps in self.params]
+        # `nbytes` written out: a call per parameter and replica at every step costs more than the sum
+        self.gradient_bytes = [sum(g.numel() * g.element_size() for p in ps if (g := p.grad) is not None)
+                               for ps in self.params]
         self.grad_norms = [_grad_norm(ps) for ps in self.params] if self._grad_norms else []
         if left is None:
             self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
