@@ -26,7 +26,9 @@ the table) is predicted from what a user would give the predictor: the parameter
 batch per GPU, the hardware preset, the GPU count and the precision (`src.scaling.published.predict_published`,
 ring allreduce, float32 gradients). The sync-overhead bounds are fitted on the calibration rows only; the
 held-out rows (other networks, systems, software releases and frameworks) are never fitted to. Rows whose
-precision has no calibrated kind (NVIDIA's APEX AMP) are predicted as "unknown", with both kinds' bounds.
+precision has no calibrated kind (NVIDIA's APEX AMP) are predicted as "unknown", with both kinds' bounds. The
+sync overhead is a line in the row's gradient rate (float32 gradient bytes per second of its one-GPU step),
+one intercept per precision kind, and its bounds the line's 90% prediction interval at that rate.
 It prints a markdown table, one line per row, then a summary per split: the share of rows whose published
 efficiency lies inside the predicted range, the median |midpoint of the range - published| and the median width
 of the range.
@@ -43,7 +45,7 @@ from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Job, Link, Links, predict_step, ring_allreduce_s
 from src.scaling.hardware import LINKS
 from src.scaling.layer_profile import inspect_network
-from src.scaling.published import bounds_for, fit_sync, load_table, predict_published
+from src.scaling.published import bounds_for, fit_sync, load_table, predict_published, row_rate
 from src.scaling.sources import DEFAULT_CALIBRATION, load_calibration, resolve_compute, resolve_link
 
 LENET = "src.models.classifier.LeNetClassifier"
@@ -147,7 +149,7 @@ def check_published() -> dict[str, dict[str, float]]:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     results: dict[str, list[tuple[bool, float, float]]] = {}
     for r in load_table():
-        band = predict_published(r, bounds_for(r.precision_class))
+        band = predict_published(r, bounds_for(r.precision_class, row_rate(r)))
         low, high = band.low.efficiency, band.high.efficiency
         mid = (low + high) / 2
         inside = low <= r.efficiency <= high
@@ -156,9 +158,15 @@ def check_published() -> dict[str, dict[str, float]]:
         print(f"| {r.split} | {r.id} | {r.network} | {r.system} | {precision} | {r.gpus} | {r.efficiency:.3f} "
               f"| {low:.3f}–{high:.3f} | {mid:.3f} | {band.point.efficiency:.3f} | {'yes' if inside else 'no'} |")
     print()
-    for name, fit in fit_sync().items():
-        print(f"sync overhead, {name}: {fit.bounds[0]:.2%} to {fit.bounds[1]:.2%} (mean {fit.mean:.2%} of "
-              f"{len(fit.implied)} calibration rows, pooled spread {fit.spread:.2%}, t {fit.t:.3f})")
+    fit = fit_sync()
+    rates = sorted(row_rate(r) for r in load_table())
+    for name, intercept in fit.intercepts:
+        own = [x for kind, x, _ in fit.implied if kind == name]
+        ends = ", ".join(f"{lo:.2%} to {hi:.2%} at {rate:.3f} GB/s"
+                         for rate in (rates[0], rates[-1]) for _, lo, hi in [fit.interval(name, rate)])
+        print(f"sync overhead, {name}: {intercept:.2%} + {fit.slope:.2%} per GB/s of gradient rate ({len(own)} "
+              f"calibration rows at {min(own):.3f} to {max(own):.3f} GB/s; spread {fit.spread:.2%}, t {fit.t:.3f}): "
+              f"{ends}")
     summary = {}
     print("\n| split | rows | inside the range | median abs(midpoint - published) | median width |")
     print("|---|---|---|---|---|")

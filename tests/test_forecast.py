@@ -204,7 +204,7 @@ def test_cli_writes_table_csv_and_png(tiny, tmp_path, capsys):
     ring2 = rows[1]
     # weak scaling by default: 8 per device, step = (4 ms + 8 * 50 us) x (1 + sync + jitter of the slower of
     # two ranks, both halfway between their bounds) + the fitted loopback allreduce
-    jitter, sync = bounds_for(None).mid()
+    jitter, sync = bounds_for(None, 516_272 / 4.4e-3 / 1e9).mid()  # at the gradient's GB/s of one device's step
     assert ring2["global_batch"] == "16"
     assert float(ring2["step_ms"]) == pytest.approx(4.4 * (1 + sync + jitter * expected_max_normal(2))
                                                     + 1e3 * ring_allreduce_s(2, 516_272, Link(2e-4, 1e-9)))
@@ -230,7 +230,7 @@ def test_user_numbers_replace_the_presets(tiny, tmp_path):
                 '["reduce_broadcast"]', "--seconds_per_image", "1e-4", "--overhead_s", "0.01", "--alpha_s", "0",
                 "--beta_s_per_byte", "1e-9", "--overlap", "0", "--messages", "1", "--out", str(tmp_path / "fc")])
     row = next(csv.DictReader(open(out / "forecast.csv")))
-    jitter, sync = bounds_for(None).mid()
+    jitter, sync = bounds_for(None, 516_272 / 10.8e-3 / 1e9).mid()
     compute_ms = (10 + 8 * 0.1) * (1 + sync + jitter * expected_max_normal(2))  # 8 images per device
     assert float(row["step_ms"]) == pytest.approx(compute_ms + 2 * 516_272 * 1e-6)
     assert "[user]" in (out / "forecast.md").read_text()
@@ -368,11 +368,20 @@ def test_sync_bounds_are_fitted_on_calibration_rows_only(tmp_path):
             out.append(line)
         path = tmp_path / f"{change_split}.csv"
         path.write_text("\n".join(out) + "\n")
-        return {k: f.bounds for k, f in fit_sync(path).items()}
+        return fit_sync(path)
 
-    shipped = {k: f.bounds for k, f in fit_sync().items()}
+    shipped = fit_sync()
     assert refit("held-out") == shipped
     assert refit("calibration") != shipped
+    # one line per kind in the gradient rate, shared slope; its interval is narrowest at the kind's mean rate
+    assert shipped.slope > 0 and len(shipped.implied) == sum(r.split == "calibration" for r in rows)
+    (_, n, centre), = [c for c in shipped.centres if c[0] == "fp32"]
+    mid, lo, hi = shipped.interval("fp32", centre)
+    assert 0 <= lo < mid < hi and mid == pytest.approx(dict(shipped.intercepts)["fp32"] + shipped.slope * centre)
+    far = shipped.interval("fp32", centre + 1.0)
+    assert far[2] - far[1] > hi - lo and far[0] == pytest.approx(mid + shipped.slope)
+    # unknown precision: both kinds' intervals at the rate
+    assert bounds_for(None, centre).sync_overhead == (lo, shipped.interval("amp", centre)[2])
 
 
 def _lab_calibration(path):
@@ -426,7 +435,7 @@ def test_the_lab_preset_predicts_a_step_from_the_unshaped_link_plus_the_rate(tin
     assert small.bands[1].point.hidden_s > 0
     # your own sync overhead replaces both ends of the published bounds
     own = predict(question, Overrides(link_rate="100mbit", sync_overhead=0.05, **compute), paths).bands[1]
-    jitter = bounds_for(None).mid()[0]
+    jitter = bounds_for(None, 1.0).mid()[0]  # the jitter bounds do not depend on the gradient rate
     assert own.point.compute_s == pytest.approx((0.002 + 128e-4) * (1 + 0.05 + jitter * expected_max_normal(2)))
     assert own.high.compute_s < own.point.compute_s < own.low.compute_s  # the jitter bounds still spread it
 

@@ -35,7 +35,7 @@ from src.scaling.hardware import (WIRE_BYTES_PER_PAYLOAD_BYTE, did_you_mean, har
                                   shaped)
 from src.scaling.memory import OPTIMIZER_STATES, PRECISIONS as MEMORY_PRECISIONS, MemoryPlan, memory_plan, stage_gib
 from src.scaling.layer_profile import DDP_BUCKET_BYTES, Network, compressed_bytes, custom_network, inspect_network
-from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync
+from src.scaling.published import JITTER, LEVEL, PRECISIONS, bounds_for, fit_sync, gradient_rate
 from src.scaling.sources import (DEFAULT_CALIBRATION, Overrides, resolve_compute, resolve_links, resolve_overlap,
                                  user_link)
 from src.scaling.step_precision import config_precision, precision_line
@@ -274,17 +274,23 @@ def network_note(net: Network, custom: bool, messages: int) -> str:
             + source)
 
 
-def sync_note(user_overhead: float | None, precision: str | None, bounds: Bounds) -> str:
-    """The assumption line about the sync overhead: the user's figure, or the fitted range for `precision`."""
+def sync_note(user_overhead: float | None, precision: str | None, bounds: Bounds, rate: float) -> str:
+    """The assumption line about the sync overhead: the user's figure, or the fitted range for `precision` at
+    the job's gradient rate (GB/s of gradient per second of one device's step)."""
     what = "sync overhead (data-parallel hooks and bucket copies, processes sharing one host)"
     if user_overhead is not None:
         return f"{what}: {user_overhead:.1%} of the compute once devices > 1 [user: --sync_overhead]"
-    fits = "; ".join(f"{f.precision}: {f.bounds[0]:.1%} to {f.bounds[1]:.1%} (mean {f.mean:.1%} of "
-                     f"{len(f.implied)} rows)" for f in fit_sync().values())
+    fit = fit_sync()
+    line = "; ".join(f"{name} {intercept:.2%}" for name, intercept in fit.intercepts)
+    lo, hi = min(x for _, x, _ in fit.implied), max(x for _, x, _ in fit.implied)
+    # outside the calibration rows' rates the line is extrapolated: say so, the interval's widening alone is easy
+    # to miss
+    where = "" if lo <= rate <= hi else f", outside the calibration rows' {lo:.3f}-{hi:.3f} GB/s: the line extrapolated"
     return (f"{what}, precision {precision or 'unknown (both kinds)'}: {bounds.sync_overhead[0]:.1%} to "
-            f"{bounds.sync_overhead[1]:.1%} of the compute once devices > 1 [published: fitted on the calibration "
-            f"rows of src/scaling/calibration/published_scaling.csv, a {LEVEL:.0%} prediction interval per kind: "
-            f"{fits}]")
+            f"{bounds.sync_overhead[1]:.1%} of the compute once devices > 1, at {rate:.3f} GB/s of gradient per "
+            f"second of one device's step{where} [published: fitted on the calibration rows of "
+            f"src/scaling/calibration/published_scaling.csv ({len(fit.implied)}), a line in that rate: an intercept "
+            f"per kind ({line}) + {fit.slope:.2%} per GB/s, and its {LEVEL:.0%} prediction interval]")
 
 
 JITTER_NOTE = (f"slowest-rank jitter: each rank's step varies by {JITTER[0]:.1%} to {JITTER[1]:.1%} (standard "
@@ -323,11 +329,7 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     sent, calls, compression_note = compressed_bytes(net, question.compression, question.powersgd_rank,
                                                      question.min_compression_rate, question.compression_ratio)
     messages = user.messages or net.buckets * calls
-    bounds = bounds_for(question.precision)
-    if user.sync_overhead is not None:
-        if not user.sync_overhead >= 0:
-            raise ValueError(f"--sync_overhead must be >= 0, got {user.sync_overhead}")
-        bounds = Bounds(bounds.jitter, (user.sync_overhead, user.sync_overhead))
+    bounds, rate = _sync_bounds(question.precision, user.sync_overhead, net.gradient_bytes, compute.step_s(batch))
 
     def node_size(devices: int) -> int:
         return devices // question.nodes if question.nodes else per_node
@@ -353,11 +355,31 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
         f"inter-node link ({achieved.nics or per_node} NICs per node, NCCL's rings over all of them): {inter_note}",
         f"overlap of exchange with backward: {overlap_note}; the range takes none (low) to full (high)",
         JITTER_NOTE,
-        sync_note(user.sync_overhead, question.precision, bounds),
+        sync_note(user.sync_overhead, question.precision, bounds, rate),
         EXCHANGE_NOTE,
     ]
     return Forecast(bands, notes, net, model, batch, epoch_images, precision, memory,
                     Setting(compute, achieved, per_node, memory.sizes, *bounds.mid(), overlap, messages))
+
+
+def _sync_bounds(precision: str | None, user_overhead: float | None, n_bytes: int,
+                 step_s: float) -> tuple[Bounds, float]:
+    """The jitter and sync-overhead bounds of a job, and its gradient rate (GB/s).
+
+    The fitted overhead grows with the gradient a step hands over against the step's length: n_bytes of
+    gradient per replica over one device's step at the batch, `step_s` seconds. `--sync_overhead` replaces
+    both ends of the fitted bounds.
+
+    Raises:
+        ValueError: A negative --sync_overhead, or an unknown precision.
+    """
+    rate = gradient_rate(n_bytes, step_s)
+    bounds = bounds_for(precision, rate)
+    if user_overhead is not None:
+        if not user_overhead >= 0:
+            raise ValueError(f"--sync_overhead must be >= 0, got {user_overhead}")
+        bounds = Bounds(bounds.jitter, (user_overhead, user_overhead))
+    return bounds, rate
 
 
 def _memory(question: Question, parameters: int) -> MemoryPlan:

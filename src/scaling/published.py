@@ -6,9 +6,9 @@ data-parallel training throughput: the network and its parameter count, the syst
 and the source (repository, file, commit and the row as it is labelled there). Each row is either a
 "calibration" row or a "held-out" row:
 
-* The sync overhead (`src.scaling.cost_model.predict_step`) is fitted on the calibration rows only, per
-  precision class: each row implies one value, and the bounds are a prediction interval around the class's
-  mean (`fit_sync`).
+* The sync overhead (`src.scaling.cost_model.predict_step`) is fitted on the calibration rows only: each row
+  implies one value, fitted as a line in the gradient's bytes per second of one GPU's step with one intercept
+  per precision class; the bounds are the line's prediction interval at a row's own rate (`fit_sync`).
 * The held-out rows are never fitted to; `python -m benchmarks.forecast_checks published` reports how the ranges
   do on both.
 
@@ -39,7 +39,7 @@ PRECISIONS = ("fp32", "amp")
 # which for a normal spread is a standard deviation of 0 to 3%.
 JITTER = (0.005, 0.02)
 
-# [assumed] The share of new rows a precision class's sync-overhead bounds are meant to hold (a two-sided
+# [assumed] The share of new rows the sync-overhead bounds at their own rate are meant to hold (a two-sided
 # prediction interval); the predicted range adds the jitter, overlap and line-rate terms around it.
 LEVEL = 0.90
 
@@ -192,67 +192,112 @@ def student_t_quantile(q: float, dof: int) -> float:
 
 @dataclass(frozen=True)
 class SyncFit:
-    """The sync overhead fitted on the calibration rows of one precision class.
+    """The sync overhead fitted on the calibration rows: overhead = intercept[kind] + slope · rate.
+
+    `rate` is the gradient's bytes per second of one device's step (`gradient_rate`): the more gradient a step
+    of a given length has to hook, copy into buckets and hand over, the larger the share of the step that this
+    costs. The precision kinds keep an intercept each (mixed-precision steps also wait on the host, whose work
+    does not shrink with the GPU's); the slope is shared.
 
     Args:
-        precision: The class.
-        implied: Each calibration row's implied overhead (share of the compute), in table order.
-        mean: Their mean.
-        spread: Standard deviation pooled over all classes (around each class's own mean).
-        t: Student's t quantile used for the prediction interval.
-        bounds: (lower, upper): mean -+ t · spread · sqrt(1 + 1/n), the lower bound at least 0.
+        implied: (kind, rate GB/s, implied overhead) of each calibration row, in table order.
+        intercepts: (kind, intercept) per kind, in `PRECISIONS` order.
+        slope: Overhead (share of the compute) per GB/s of gradient rate.
+        centres: (kind, rows, mean rate GB/s) per kind: where each kind's line is best known.
+        sxx: Sum of squares of the rates around their kind's mean rate.
+        spread: Residual standard deviation (rows - kinds - 1 degrees of freedom).
+        t: Student's t quantile of the two-sided `LEVEL` prediction interval.
     """
 
-    precision: str
-    implied: tuple[float, ...]
-    mean: float
+    implied: tuple[tuple[str, float, float], ...]
+    intercepts: tuple[tuple[str, float], ...]
+    slope: float
+    centres: tuple[tuple[str, int, float], ...]
+    sxx: float
     spread: float
     t: float
-    bounds: tuple[float, float]
+
+    def interval(self, kind: str, rate: float) -> tuple[float, float, float]:
+        """(expected, lower, upper) overhead of a new row of `kind` at `rate` GB/s; the lower bound at least 0.
+
+        The prediction interval of a line fitted by least squares:
+        expected -+ t · spread · sqrt(1 + 1/n_kind + (rate - mean rate of the kind)² / sxx).
+
+        Raises:
+            KeyError: A kind without a fit.
+        """
+        _, n, centre = next(c for c in self.centres if c[0] == kind)
+        expected = dict(self.intercepts)[kind] + self.slope * rate
+        half = self.t * self.spread * math.sqrt(1 + 1 / n + (rate - centre) ** 2 / self.sxx)
+        return expected, max(0.0, expected - half), max(0.0, expected + half)
+
+
+def gradient_rate(n_bytes: float, step_s: float) -> float:
+    """GB/s of gradient per second of one device's step: n_bytes / step_s / 1e9.
+
+    Args:
+        n_bytes: Gradient bytes per replica (float32: parameters x 4).
+        step_s: One device's step at the batch, seconds (> 0).
+
+    Raises:
+        ValueError: step_s <= 0.
+    """
+    if not step_s > 0:
+        raise ValueError(f"a step must take > 0 seconds, got {step_s}")
+    return n_bytes / step_s / 1e9
+
+
+def row_rate(row: Published) -> float:
+    """A published row's gradient rate: float32 gradient bytes over its one-GPU step, batch / images_per_s."""
+    return gradient_rate(row.parameters * 4, row.batch_per_gpu / row.one_gpu_images_per_s)
 
 
 @cache
-def fit_sync(path: Path = TABLE) -> dict[str, SyncFit]:
-    """Sync-overhead bounds per precision class, fitted on the calibration rows of the table only.
+def fit_sync(path: Path = TABLE) -> SyncFit:
+    """The sync-overhead line, fitted on the calibration rows of the table only.
 
-    Each calibration row implies one overhead (`_implied_overhead`). Within a class these are taken as a
-    normal sample; the spread is pooled over the classes (n - k degrees of freedom for n rows in k classes),
-    and the bounds are the two-sided `LEVEL` prediction interval for one new row of the class:
-    mean -+ t · spread · sqrt(1 + 1/n_class) (Student's t). A class with one row has a mean and shares the
-    others' spread.
+    Each calibration row implies one overhead (`_implied_overhead`) at its gradient rate (`row_rate`). The
+    line has one intercept per precision kind and one shared slope (least squares: the slope from the rates
+    and overheads around each kind's means, each intercept through its kind's means); the residual spread
+    has n - k - 1 degrees of freedom for n rows in k kinds.
 
     Args:
         path: The table.
 
     Returns:
-        {precision class: its fit}.
+        The fit.
 
     Raises:
-        ValueError: A class has no calibration row, or there are too few rows for a spread.
+        ValueError: A kind has no calibration row, there are too few rows for a spread, or the rates do not
+            differ within any kind.
     """
     calibration = [r for r in load_table(path) if r.split == "calibration"]
-    implied = {name: tuple(_implied_overhead(r) for r in calibration if r.precision == name) for name in PRECISIONS}
-    empty = [name for name, values in implied.items() if not values]
+    implied = tuple((r.precision, row_rate(r), _implied_overhead(r)) for r in calibration if r.precision in PRECISIONS)
+    groups = {name: [(x, y) for kind, x, y in implied if kind == name] for name in PRECISIONS}
+    empty = [name for name, values in groups.items() if not values]
     if empty:
         raise ValueError(f"{path} has no calibration row of precision {', '.join(empty)}")
-    means = {name: sum(values) / len(values) for name, values in implied.items()}
-    dof = sum(map(len, implied.values())) - len(implied)
+    dof = len(implied) - len(groups) - 1
     if dof < 1:
-        raise ValueError(f"{path} needs more calibration rows than precision classes to estimate a spread")
-    spread = math.sqrt(sum((v - means[name]) ** 2 for name, values in implied.items() for v in values) / dof)
-    t = student_t_quantile(0.5 + LEVEL / 2, dof)
-    fits = {}
-    for name, values in implied.items():
-        half = t * spread * math.sqrt(1 + 1 / len(values))
-        fits[name] = SyncFit(name, values, means[name], spread, t, (max(0.0, means[name] - half), means[name] + half))
-    return fits
+        raise ValueError(f"{path} needs more calibration rows than precision kinds + 1 to estimate a spread")
+    means = {name: (sum(x for x, _ in v) / len(v), sum(y for _, y in v) / len(v)) for name, v in groups.items()}
+    sxx = sum((x - means[k][0]) ** 2 for k, x, _ in implied)
+    if not sxx > 0:
+        raise ValueError(f"{path}: the calibration rows of each precision all have the same gradient rate")
+    slope = sum((x - means[k][0]) * (y - means[k][1]) for k, x, y in implied) / sxx
+    intercepts = tuple((name, my - slope * mx) for name, (mx, my) in means.items())
+    fitted = dict(intercepts)
+    spread = math.sqrt(sum((y - fitted[k] - slope * x) ** 2 for k, x, y in implied) / dof)
+    return SyncFit(implied, intercepts, slope, tuple((k, len(groups[k]), means[k][0]) for k in PRECISIONS), sxx,
+                   spread, student_t_quantile(0.5 + LEVEL / 2, dof))
 
 
-def bounds_for(precision: str | None) -> Bounds:
-    """Jitter and sync-overhead bounds for a precision class; None (unknown) takes the union of the classes.
+def bounds_for(precision: str | None, rate: float) -> Bounds:
+    """Jitter and sync-overhead bounds for a precision kind at a gradient rate; None (unknown): both kinds'.
 
     Args:
         precision: "fp32", "amp" or None.
+        rate: Gradient GB/s of one device's step (`gradient_rate`).
 
     Returns:
         The bounds.
@@ -260,10 +305,11 @@ def bounds_for(precision: str | None) -> Bounds:
     Raises:
         ValueError: Unknown precision.
     """
-    fitted = {name: fit.bounds for name, fit in fit_sync().items()}
+    fit = fit_sync()
     if precision is None:
-        return Bounds(JITTER, (min(lo for lo, _ in fitted.values()), max(hi for _, hi in fitted.values())))
-    if precision not in fitted:
+        ends = [fit.interval(name, rate)[1:] for name in PRECISIONS]
+        return Bounds(JITTER, (min(lo for lo, _ in ends), max(hi for _, hi in ends)))
+    if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}, or leave it "
                          "out (unknown: both classes' bounds)")
-    return Bounds(JITTER, fitted[precision])
+    return Bounds(JITTER, fit.interval(precision, rate)[1:])
