@@ -329,13 +329,22 @@ def split_row(model: str, name: str) -> dict:
 
 
 def split_predicted(model: str, name: str, rate: str, overhead_s: float, seconds_per_image: float,
-                    sync_overhead: float | None = None) -> SimpleNamespace:
+                    sync_overhead: float | None = None, timed: bool = True) -> SimpleNamespace:
     """The three ways' forecast (`src.scaling.three_ways`) of a pipeline or tensor-parallel layout on 2 lab machines
-    at `rate`, with one replica's measured compute, in the fields `print_table` reads (nothing hidden)."""
-    from benchmarks.three_ways import predict_row
+    at `rate`, with one replica's measured compute, in the fields `print_table` reads (nothing hidden). `timed`: the
+    compute split as the 2-process rows split it (`benchmarks.three_ways.compare_with_measured`, timed here at one
+    thread, as a lab machine's one core runs): a pipeline's by its blocks' timed costs, tensor parallelism's by a
+    share's step timed under the plan; else by the multiply-adds (the bytes sent are the same either way)."""
+    from benchmarks.three_ways import _timed_costs, predict_row, timed_tensor_work
 
-    figures, _ = predict_row(split_row(model, name), "lab", link_rate=None if rate == "none" else rate,
-                             overhead_s=overhead_s, seconds_per_image=seconds_per_image, sync_overhead=sync_overhead)
+    row = split_row(model, name)
+    costs = _timed_costs(row) if timed and row["way"] == "pipeline" else None
+    # the lab's runs build the model from its config (`fit_args`), so the share is timed as the config builds it
+    config = yaml.safe_load(Path(MODELS[model][0]).read_text())["model"]
+    work = timed_tensor_work(row, config.get("init_args") or {}) if timed and row["way"] == "tensor_parallel" else ()
+    figures, _ = predict_row(row, "lab", link_rate=None if rate == "none" else rate, block_costs=costs,
+                             tensor_work=work, overhead_s=overhead_s, seconds_per_image=seconds_per_image,
+                             sync_overhead=sync_overhead)
     return SimpleNamespace(step_s=figures.step_s, compute_s=figures.compute_s, exchange_s=figures.exchange_s,
                            hidden_s=0.0, images_per_s=figures.images_per_s,
                            sent=max(r.bytes_sent_per_step for r in figures.ranks))
@@ -348,7 +357,7 @@ def sent_bytes(model: str, name: str) -> int:
     from src.scaling.layer_profile import compressed_bytes, inspect_network
 
     if model_split(name):
-        return int(split_predicted(model, name, "none", 0.0, 1e-3).sent)
+        return int(split_predicted(model, name, "none", 0.0, 1e-3, timed=False).sent)
 
     config = yaml.safe_load(Path(MODELS[model][0]).read_text())["model"]
     compression, rank = compression_of(name)

@@ -183,7 +183,7 @@ def one(args: argparse.Namespace) -> None:
     strategy = strategy_for(args.one, args)
     if args.one == "one_core":
         torch.set_num_threads(1)
-    model = (LeNetClassifier if args.model == "lenet" else ResNet18Classifier)(lr=0.01, momentum=0.9)
+    model = (LeNetClassifier if args.model == "lenet" else ResNet18Classifier)(**TRIAL_INIT_ARGS)
     callbacks: list[pl.Callback] = [Probe(args.report, args.warmup)]
     if args.timeline:
         from src.callbacks import StepTimeline
@@ -308,17 +308,18 @@ _MEMORY_PRECISION = {"32-true": "fp32", "64-true": "fp64", "bf16-mixed": "fp32",
 #: how close a prediction is expected to be: a relative error bound (0: exact), or (low, high) bounds of predicted /
 #: measured; None: reported only. `WAY_TOLERANCES` overrides it for one way, `ABSOLUTE` bounds a share's difference
 #: instead. benchmarks/three_ways.json of 2026-11-29 on the 2-core CPU, the compute from the one-core row, a
-#: pipeline's split by timed block costs (the fastest of 7 steps, timed anew in each process, so the pipelines'
-#: figures move from run to run; 4 runs on that CPU): model state exact, bytes sent within 0.9%, the rise predicted at
-#: 0.47-1.00 of the measured (temporaries are not counted); the step of data parallelism -13% (LeNet) and +3%
-#: (ResNet-18), of the pipelines +0% to +9% and -6% to +1%; tensor parallelism's 0.59 and 0.79 of the measured
-#: (DTensor's dispatch and copies are not counted: a lower bound); the stages' mean idle share 0.40-0.44 against
-#: 0.29-0.32 (LeNet) and 0.33-0.36 against 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's
-#: recorded stages idle alike (0.30 and 0.29 under GPipe), the timed blocks give its first stage 0.65-0.78 idle.
+#: pipeline's split by timed block costs and tensor parallelism's work by a share's step timed under the plan (each
+#: timed anew in each process, so those figures move from run to run; runs of 2026-12-02 on a loaded 2-core CPU):
+#: model state exact, bytes sent within 0.9%, the rise predicted at 0.47-1.00 of the measured (temporaries are not
+#: counted); the step of data parallelism -15% (LeNet) and -0% (ResNet-18), of the pipelines +5% to +11% and -13%
+#: to -5%; tensor parallelism's 0.70 and 0.86 of the measured (its allreduces' waits beyond the link's time are not
+#: counted); the stages' mean idle share 0.44-0.48 against 0.29-0.32 (LeNet) and 0.30-0.34 against 0.26-0.27
+#: (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and 0.29 under
+#: GPipe), the timed blocks give its first stage 0.65-0.78 idle.
 TOLERANCES = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "bytes_sent_per_step": 0.02,
-              "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": 0.25, "step_vs_one_core": 0.25,
+              "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": 0.2, "step_vs_one_core": 0.2,
               "mean_idle": 0.2, "bubble": 1e-9}
-WAY_TOLERANCES = {("tensor_parallel", "step_ms"): (0.5, 1.05), ("tensor_parallel", "step_vs_one_core"): (0.5, 1.05)}
+WAY_TOLERANCES = {("tensor_parallel", "step_ms"): (0.6, 1.2), ("tensor_parallel", "step_vs_one_core"): (0.6, 1.2)}
 ABSOLUTE = {"mean_idle"}
 _PER_RANK = ("parameters", "gradients", "optimizer_state", "activation_peak", "bytes_sent_per_step", "idle_fraction")
 
@@ -368,7 +369,7 @@ def _layout(row: dict, profile: object) -> Layout:
 
 def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
                 link_rate: str | None = None, block_costs: tuple[float, ...] | None = None,
-                **overrides: float | None) -> tuple[LayoutFigures, LayoutFigures]:
+                tensor_work: tuple[tuple[int, float], ...] = (), **overrides: float | None) -> tuple[LayoutFigures, LayoutFigures]:
     """Predict a measured row's layout and one device's step at the same global batch.
 
     Args:
@@ -378,6 +379,8 @@ def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAU
         link_rate: The lab's link rate in tc's notation, e.g. 1gbit (`--link_rate`), or None.
         block_costs: Each block's cost that splits a pipeline's compute (`Setting.block_costs`); None: the
             multiply-adds.
+        tensor_work: Tensor parallelism's (shares, work) pairs (`Setting.tensor_work`); empty: the
+            multiply-adds'.
         **overrides: More of the forecast's overrides (`src.scaling.sources.Overrides`), e.g. a measured
             `seconds_per_image` and `overhead_s` of one process's step.
 
@@ -399,7 +402,8 @@ def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAU
     question = Question(config=config, hardware=hardware, devices=[1], algorithms=["ring"], batch_mode="global",
                         batch_size=batch, optimizer=row.get("optimizer"), memory_precision=_MEMORY_PRECISION[precision])
     setting = predict(question, Overrides(link_rate=link_rate, **overrides), Paths(calibration=calibration)).setting
-    setting = replace(setting, activation_bytes=8 if precision == "64-true" else 4, block_costs=block_costs)
+    setting = replace(setting, activation_bytes=8 if precision == "64-true" else 4, block_costs=block_costs,
+                      tensor_work=tensor_work)
     model = _experiment(config)["model"]
     profile = profile_network(model["class_path"], model.get("init_args"))
     return (predict_layout(profile, _layout(row, profile), batch, setting),
@@ -463,6 +467,23 @@ def _timed_costs(row: dict) -> tuple[float, ...]:
     return timed_block_costs(model["class_path"], model.get("init_args"), samples=max(1, samples))
 
 
+#: the model's arguments in `one`'s trials (the class's defaults otherwise: contiguous NCHW, no channels_last)
+TRIAL_INIT_ARGS = {"lr": 0.01, "momentum": 0.9}
+
+
+def timed_tensor_work(row: dict, init_args: dict | None = None) -> tuple[tuple[int, float], ...]:
+    """Tensor parallelism's work at the row's shares: one process's step under the plan over the whole network's,
+    timed here at one thread on the row's whole batch (`src.scaling.layer_profile.timed_tensor_share`), the model
+    built with `init_args` (None: as this harness's trials build it, `TRIAL_INIT_ARGS`)."""
+    from src.scaling.layer_profile import timed_tensor_share
+    from src.scaling.predictor import _experiment
+
+    model = _experiment(MODEL_CONFIGS[row["model"]])["model"]
+    shares = int(row["processes"]) // int(row.get("replicas") or 1)
+    args = TRIAL_INIT_ARGS if init_args is None else init_args
+    return ((shares, timed_tensor_share(model["class_path"], args, samples=int(row["batch"]), shares=shares)),)
+
+
 def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
                           link_rate: str | None = None, block_costs: str = "macs") -> list[dict]:
     """Every measured figure of benchmarks/three_ways.json next to its prediction.
@@ -477,8 +498,10 @@ def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibra
         hardware: The forecast's hardware preset the rows ran on.
         calibration: The calibration file.
         link_rate: The lab's link rate (tc's notation) the rows ran at, or None.
-        block_costs: What splits a pipeline's compute between its stages: "macs" (multiply-adds) or "timed" (each
-            block's forward and backward timed on this machine, `src.scaling.layer_profile.timed_block_costs`).
+        block_costs: What splits a pipeline's compute between its stages, and tensor parallelism's between its
+            shares: "macs" (multiply-adds) or "timed" (each block's forward and backward timed on this machine,
+            `src.scaling.layer_profile.timed_block_costs`; a tensor-parallel share's step timed under the plan,
+            `timed_tensor_work`).
 
     Returns:
         One dict per (row, rank, quantity) and per (row, quantity) of the step: row (its index), model, way,
@@ -499,8 +522,10 @@ def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibra
     rows = load_measured(path).get("rows", [])
     for i, row in enumerate(rows):
         compute = _one_core_compute(rows, row, hardware, calibration)
-        costs = _timed_costs(row) if block_costs == "timed" and row["way"] == "pipeline" else None
-        figures, one = predict_row(row, hardware, calibration, link_rate, costs, **compute)
+        timed = block_costs == "timed"
+        costs = _timed_costs(row) if timed and row["way"] == "pipeline" else None
+        work = timed_tensor_work(row) if timed and row["way"] == "tensor_parallel" else ()
+        figures, one = predict_row(row, hardware, calibration, link_rate, costs, work, **compute)
         ranks = {r.rank: r for r in figures.ranks}
         for measured in row["per_rank"]:
             rank = ranks.get(int(measured["rank"]))

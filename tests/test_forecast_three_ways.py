@@ -128,6 +128,22 @@ def test_tensor_parallel_by_hand():
     assert fig.step_s == pytest.approx(compute + ring_allreduce_s(2, 128, Link(0.0, 1e-3)))
     with pytest.raises(ValueError, match=r"splits b1 \(4 channels or units\) into 3 equal shares.*: 2, 4"):
         check_shares(_toy(), 3)
+    # a share's work timed under the plan takes the place of the multiply-adds' at its share count only
+    timed = replace(_setting(beta=1e-3), tensor_work=((2, 0.9),))
+    assert predict_layout(_toy(), Layout("tensor_parallel", 2), 8, timed).step_s == pytest.approx(
+        8 * 0.9 + ring_allreduce_s(2, 128, Link(0.0, 1e-3)))
+    assert predict_layout(_toy(), Layout("tensor_parallel", 4, 2), 8, timed).compute_s == pytest.approx(4 * 0.9)
+
+
+def test_a_tensor_share_is_timed_under_the_plan():
+    """LeNet's share under the strategy's plan on a fake group of 2, against the whole network: a positive ratio,
+    below the whole's plus DTensor's dispatch many times over; a process group already there is refused."""
+    from src.scaling.layer_profile import timed_tensor_share
+
+    work = timed_tensor_share("src.models.classifier.LeNetClassifier", samples=16, repeats=3)
+    assert 0.1 < work < 5
+    with pytest.raises(ValueError, match="must be >= 1"):
+        timed_tensor_share("src.models.classifier.LeNetClassifier", shares=0)
 
 
 def test_copies_side_by_side_average_their_gradients():
@@ -399,10 +415,11 @@ def test_measured_file_errors(tmp_path):
 #: the forecast's bounds against benchmarks/three_ways.json as docs/three-ways.md states them, predicted / measured,
 #: held here rather than read from benchmarks.three_ways so that loosening the code's own bounds cannot
 #: loosen the test: the model state exact, bytes sent within 2%, the step's rise of the resident set at 0.45-1.05,
-#: the step within 25% (tensor parallelism 0.5-1.05: a lower bound), the bubble exact, the mean idle share within 0.2
+#: the step within 20% (tensor parallelism 0.6-1.2: its work timed under the plan, its allreduces' waits beyond the
+#: link's time not counted), the bubble exact, the mean idle share within 0.2
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
 RATIO_BOUNDS = {"bytes_sent_per_step": (0.98, 1.02), "activation_peak": (0.45, 1.05)}
-STEP_BOUNDS = {"data": (0.75, 1.25), "pipeline": (0.75, 1.25), "tensor_parallel": (0.5, 1.05)}
+STEP_BOUNDS = {"data": (0.8, 1.2), "pipeline": (0.8, 1.2), "tensor_parallel": (0.6, 1.2)}
 MEAN_IDLE_WITHIN = 0.2
 
 
@@ -429,7 +446,8 @@ def _inside(entry: dict) -> bool | None:
 def test_the_forecast_against_the_measured_rows_of_the_three_ways():
     """benchmarks/three_ways.json holds what benchmarks/three_ways.py measured (LeNet and ResNet-18, one device, one
     core and each way on 2 processes of the 2-core CPU). With the compute of one core measured in the same run and
-    each pipeline's compute split by its blocks timed here, every figure the doc bounds lies inside the bound stated
+    each pipeline's compute split by its blocks timed here and tensor parallelism's work by a share's step timed here
+    under the plan, every figure the doc bounds lies inside the bound stated
     above (predicted / measured computed here, not the code's own flags); every row and process is compared."""
     from pathlib import Path
 

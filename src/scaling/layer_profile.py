@@ -26,6 +26,7 @@ its call and return, its backward from the moment its output's gradient arrives 
 import importlib
 import json
 import re
+import statistics
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -417,3 +418,82 @@ def timed_block_costs(class_path: str, init_args: dict | None = None, samples: i
     if min(samples, threads, repeats) < 1:
         raise ValueError(f"samples, threads and repeats must be >= 1, got {samples}, {threads}, {repeats}")
     return _timed(class_path, json.dumps(init_args or {}, sort_keys=True), samples, threads, repeats)
+
+
+def _share_step(net, x, target, loss_fn, optimizer) -> float:
+    """Seconds of one training step of `net` (forward, loss, backward, optimizer step) on the batch `x`."""
+    tic = time.perf_counter()
+    loss = loss_fn(net(x), target)
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return time.perf_counter() - tic
+
+
+@cache
+def _timed_share(class_path: str, init_args_json: str, samples: int, shares: int, threads: int,
+                 repeats: int) -> float:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from src.strategies.tensor_plans import apply_plan
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("timing a tensor-parallel share needs a process without a process group: one is "
+                           "initialised here")
+    init_args = json.loads(init_args_json)
+    whole, split = built_module(class_path, init_args), built_module(class_path, init_args)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    # a fake group: its collectives return at once, so the share's own work is timed without the link's
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shares)
+    try:
+        apply_plan(split.net.train(), init_device_mesh("cpu", (shares,)))
+        x = torch.randn(samples, 1, 28, 28, dtype=next(whole.net.parameters()).dtype)
+        target = torch.randint(0, 10, (samples,))
+        optimizers = [torch.optim.SGD(m.net.parameters(), lr=0.01, momentum=0.9) for m in (whole, split)]
+        ratios = []
+        for _ in range(repeats + 2):  # the first two warm up; each pair back to back, so a busy spell slows both
+            pair = [_share_step(m.net.train(), x, target, m.loss_fn, o) for m, o in zip((whole, split), optimizers)]
+            ratios.append(pair[1] / pair[0])
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(before)
+    return statistics.median(ratios[2:])
+
+
+def timed_tensor_share(class_path: str, init_args: dict | None = None, samples: int = 8, shares: int = 2,
+                       threads: int = 1, repeats: int = 9) -> float:
+    """One process's training step under the tensor-parallel plan over the whole network's, timed on this CPU
+    (cached per arguments): the share's compute with what the split does not divide (the unsplit layers:
+    BatchNorm2 and the shortcut of a residual block, the stem, the head; the activations and pooling after a
+    partial sum), DTensor's dispatch and copies, and the kernels' speed at the shares' narrower shapes. The
+    collectives run on a fake process group of `shares` ranks (they return at once): the link is not timed.
+
+    Args:
+        class_path: The LightningModule, e.g. src.models.classifier.LeNetClassifier (its `net` is split by
+            `src.strategies.tensor_plans.apply_plan`).
+        init_args: Its keyword arguments (from the config).
+        samples: Samples per timed batch: `x: (samples, 1, 28, 28)` in the network's dtype; every process of a
+            tensor-parallel group sees the whole batch.
+        shares: Processes sharing each split layer.
+        threads: torch's intra-op threads while timing (restored after).
+        repeats: Timed pairs of steps (the whole network's, then the share's, with SGD of momentum 0.9) after two
+            warm-up pairs.
+
+    Returns:
+        The median over the pairs of the share's step seconds / the whole network's (forward, loss, backward and
+        optimizer step each): a pair's two steps run back to back, so another process taking the core slows both
+        alike and their ratio holds where each one's time does not.
+
+    Raises:
+        ValueError: samples, shares, threads or repeats below 1, or shares the plan cannot split.
+        RuntimeError: A process group already initialised in this process.
+    """
+    if min(samples, shares, threads, repeats) < 1:
+        raise ValueError(f"samples, shares, threads and repeats must be >= 1, got {samples}, {shares}, {threads}, "
+                         f"{repeats}")
+    return _timed_share(class_path, json.dumps(init_args or {}, sort_keys=True), samples, shares, threads, repeats)

@@ -24,7 +24,10 @@ the activations saved for backward at their peak, the pipeline's receive buffers
   layer; every process holds the split layers' shares and the other layers whole, and the split activations' shares
   and the others whole. One allreduce per split pair forward (the partial sums) and one backward (the gradient of
   the pair's whole input, when it needs one), each of n bytes sending 2(P-1)/P·n per process in a ring (Patarasuk &
-  Yuan 2009): n for P = 2. Step = overhead + compute x (unsplit share + split share / P) + the allreduces.
+  Yuan 2009): n for P = 2. Step = overhead + compute x work + the allreduces, the work being the unsplit share +
+  the split share / P of the multiply-adds, or a share's step timed under the plan over the whole network's
+  (`Setting.tensor_work`: what the multiply-adds leave out, the unsplit layers' elementwise work, DTensor's
+  dispatch and copies, narrower kernels' speed).
 * Copies side by side (pipelines or replicas, c of them): each takes B / c samples, and after backward the
   processes holding the same part average their gradients: one ring allreduce over c of the local gradient bytes.
 
@@ -70,6 +73,9 @@ class Setting:
         block_costs: Each block's cost, whose shares split a pipeline's compute between its stages, e.g. its
             measured seconds per sample (`src.scaling.layer_profile.timed_block_costs`); None: the blocks'
             multiply-adds.
+        tensor_work: (shares, the share's step / the whole network's) pairs, e.g. timed under the plan
+            (`src.scaling.layer_profile.timed_tensor_share`), for tensor parallelism's compute at that many shares;
+            a share count not given takes the multiply-adds' (unsplit share + split share / shares).
     """
 
     compute: Compute
@@ -82,6 +88,7 @@ class Setting:
     messages: int = 1
     activation_bytes: int = 4
     block_costs: tuple[float, ...] | None = None
+    tensor_work: tuple[tuple[int, float], ...] = ()
 
     def costs(self, profile: NetProfile) -> tuple[float, ...]:
         """Each block's cost: `block_costs`, or the multiply-adds.
@@ -417,7 +424,7 @@ def _tensor(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -
     each, scale = batch // layout.copies, _scale(profile, setting)
     elements = sum(local_elements(pa, shares) for b in profile.blocks for pa in b.params)
     split = sum(b.split_macs for b in profile.blocks) / profile.macs
-    work = (1 - split) + split / shares
+    work = dict(setting.tensor_work).get(shares, (1 - split) + split / shares)
     compute = (setting.compute.overhead_s + each * setting.compute.seconds_per_image * work
                * setting.slowdown(layout.processes))
     tensors = [e.per_sample * each * scale for e in profile.exchanges]
@@ -446,10 +453,11 @@ class Ways:
             stages + 1.
         memory_budget_gib: Memory per device in GiB (2**30 bytes) for model state, activations and the pipeline's
             buffers: the forecast marks the layouts that fit and names the fastest of them per device count.
-        block_costs: What splits a pipeline's compute between its stages: macs (each block's multiply-adds, for
-            any hardware) or timed (each block's forward and backward timed here on the CPU at one thread, a
-            micro-batch at a time: for a forecast of this CPU, where activations and pooling cost more than their
-            multiply-adds say; `src/scaling/layer_profile.py`).
+        block_costs: What splits a pipeline's compute between its stages and tensor parallelism's between its
+            shares: macs (each block's multiply-adds, for any hardware) or timed (each block's forward and backward
+            timed here on the CPU at one thread, a micro-batch at a time, and a share's step under the tensor plan
+            over the whole network's: for a forecast of this CPU, where activations, pooling and DTensor's dispatch
+            cost more than their multiply-adds say; `src/scaling/layer_profile.py`).
     """
 
     ways: list[Literal["data", "pipeline", "tensor"]] | None = None
@@ -610,8 +618,33 @@ def forecast_ways(ways: Ways, cfg: dict | None, devices: list[int], batch: int, 
 
         micro = max(1, batches[-1] // ways.microbatches)  # the largest device count's micro-batch
         setting = replace(setting, block_costs=timed_block_costs(cfg["model"]["class_path"],
-                                                                 cfg["model"].get("init_args"), samples=micro))
+                                                                 cfg["model"].get("init_args"), samples=micro),
+                          tensor_work=_timed_tensor_work(ways, cfg, profile, devices, batches))
     return predict_ways(ways, profile, devices, batches, setting)
+
+
+def _timed_tensor_work(ways: Ways, cfg: dict, profile: NetProfile, devices: list[int],
+                       batches: list[int]) -> tuple[tuple[int, float], ...]:
+    """Tensor parallelism's (shares, work) for each share count of `ways`' tensor layouts that the network's split
+    layers take, timed here (`src.scaling.layer_profile.timed_tensor_share`) on the batch one copy of the largest
+    such device count sees; none when tensor parallelism is not asked."""
+    from src.scaling.layer_profile import timed_tensor_share
+
+    if "tensor_parallel" not in ways.chosen():
+        return ()
+    batch_of: dict[int, int] = {}
+    for d, batch in zip(devices, batches):
+        for copies in (c for c in range(1, d) if d % c == 0):
+            batch_of[d // copies] = max(1, batch // copies)
+    work = []
+    for shares, batch in sorted(batch_of.items()):
+        try:
+            check_shares(profile, shares)
+        except ValueError:  # refused by predict_layout with the reason
+            continue
+        work.append((shares, timed_tensor_share(cfg["model"]["class_path"], cfg["model"].get("init_args"),
+                                                samples=batch, shares=shares)))
+    return tuple(work)
 
 
 def _answer(budget_gib: float | None, devices: int, figures: list[LayoutFigures]) -> str:
