@@ -313,8 +313,8 @@ _MEMORY_PRECISION = {"32-true": "fp32", "64-true": "fp64", "bf16-mixed": "fp32",
 #: model state exact, bytes sent within 0.9%, the rise predicted at 0.47-1.00 of the measured (temporaries are not
 #: counted); the step of data parallelism -15% (LeNet) and -0% (ResNet-18), of the pipelines +5% to +11% and -15%
 #: to -4%; tensor parallelism's 0.70-0.72 and 0.86-0.88 of the measured (its allreduces' waits beyond the link's
-#: time are not counted); the stages' mean idle share 0.44-0.48 against 0.29-0.32 (LeNet) and 0.28-0.34 against 0.26-0.27
-#: (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and 0.29 under
+#: time are not counted); the stages' mean idle share 0.44-0.48 against 0.29-0.32 (LeNet) and 0.28-0.34 against
+#: 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and 0.29 under
 #: GPipe), the timed blocks give its first stage 0.65-0.78 idle.
 TOLERANCES = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "bytes_sent_per_step": 0.02,
               "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": 0.2, "step_vs_one_core": 0.2,
@@ -369,7 +369,8 @@ def _layout(row: dict, profile: object) -> Layout:
 
 def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
                 link_rate: str | None = None, block_costs: tuple[float, ...] | None = None,
-                tensor_work: tuple[tuple[int, float], ...] = (), **overrides: float | None) -> tuple[LayoutFigures, LayoutFigures]:
+                tensor_work: tuple[tuple[int, float], ...] = (),
+                **overrides: float | None) -> tuple[LayoutFigures, LayoutFigures]:
     """Predict a measured row's layout and one device's step at the same global batch.
 
     Args:
