@@ -314,8 +314,8 @@ _MEMORY_PRECISION = {"32-true": "fp32", "64-true": "fp64", "bf16-mixed": "fp32",
 #: counted); the step of data parallelism -15% (LeNet) and -0% (ResNet-18), of the pipelines +5% to +11% and -15%
 #: to -4%; tensor parallelism's 0.70-0.72 and 0.86-0.88 of the measured (its allreduces' waits beyond the link's
 #: time are not counted); the stages' mean idle share 0.44-0.48 against 0.29-0.32 (LeNet) and 0.28-0.34 against
-#: 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and 0.29 under
-#: GPipe), the timed blocks give its first stage 0.65-0.78 idle.
+#: 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and
+#: 0.29 under GPipe), the timed blocks give its first stage 0.65-0.78 idle.
 TOLERANCES = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "bytes_sent_per_step": 0.02,
               "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": 0.2, "step_vs_one_core": 0.2,
               "mean_idle": 0.2, "bubble": 1e-9}
