@@ -305,8 +305,8 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
 
 
 @pytest.mark.parametrize("overlay, options", [
-    ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, processes"),
-    ("tensor_parallel_cpu", "replicas, processes"),
+    ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, processes, compression"),
+    ("tensor_parallel_cpu", "replicas, processes, compression"),
 ])
 def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overlay, options, fast_args, capsys):
     """Ours' `zero_stage` partitions the replicas' state; the pipeline and tensor parallelism take no such option,
@@ -448,3 +448,4 @@ def test_resnet18_pipelines_equal_one_device_accumulating_the_same_micro_batches
           f"{max_param_diff(*one_step):.3g}")
     assert off <= 1e-9 and max_param_diff(accumulated, both) <= 1e-9
     assert moved > 0.1 and max_param_diff(*one_step) > 1e-6
+

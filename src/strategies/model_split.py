@@ -3,24 +3,32 @@ with copies of the split model side by side (data parallelism between them).
 
 The P processes form a (copies, P / copies) device mesh (torch's `init_device_mesh`; consecutive ranks hold one
 copy): the processes of a copy see the same part of every global batch, and after each step's backward the
-processes that hold the same part of the model in the other copies average their gradients. The module's metrics
+processes that hold the same part of the model in the other copies average their gradients through ours' gradient
+exchange (`src.strategies.comm.gradient_exchange`: buckets, our ring between processes, bytes counted), over the
+mesh's data dimension. The module's metrics
 count each sample once, and the model is made whole on every process at the end of each run, so that the
 launchers, the run after `fit` and the user's code read one device's model.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from typing_extensions import override
 
-from src.strategies.comm.gradient_exchange import copy_back_, flatten
+from src.strategies.comm.compression import Compression, CompressionSpec
+from src.strategies.comm.gradient_exchange import GradientExchange
+from src.strategies.comm.process_allreduce import allreduce_between
+from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.limits import refuse_manual_optimization
+from src.strategies.measures import ExchangeCounters
+from src.strategies.process_sync import count_global_batch, global_batch_claim
 from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
 
 
@@ -37,18 +45,30 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         split: The mesh dimension's name for the processes of one copy ("pp", "tp").
         copies_name: What the copies are called in messages ("pipelines", "replicas").
         processes: How the processes start and wait for each other (`ProcessStart`).
+        compression: How the gradients travel between the copies, as under `split_allreduce` (`kind` "none", "bf16"
+            or "powersgd", `src.strategies.comm.compression.CompressionSpec`); only with several copies.
+
+    Raises:
+        ValueError: Fewer than one copy, or a compression with one copy (there is nothing to exchange).
     """
 
     #: how messages name the strategy, e.g. "the pipeline strategy"
     way = "this strategy"
 
-    def __init__(self, copies: int, split: str, copies_name: str, processes: ProcessStart) -> None:
+    def __init__(self, copies: int, split: str, copies_name: str, processes: ProcessStart,
+                 compression: CompressionSpec = CompressionSpec()) -> None:
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise ValueError(f"{copies_name} must be an integer of at least 1, got {copies!r}")
+        if compression.kind != "none" and copies == 1:
+            raise ValueError(f"compression {compression.kind} compresses the gradients between copies of the split "
+                             f"model, and there is one: set {copies_name} to 2 or more, or leave compression out")
         super().__init__(processes)
+        self._compression = CheckpointedCompression(compression)
         self.copies, self._split_dim, self._copies_name = copies, split, copies_name
         self._mesh: DeviceMesh | None = None  # (copies, processes per copy), with several copies
-        self._samples = 0  # the last training batch's samples in this copy
+        self.exchange: GradientExchange | None = None  # between the copies, made at a fit's first step
+        self._held: list[tuple[nn.Parameter, Tensor]] = []  # each parameter and what the exchange reads it through
+        self._samples: tuple[int, Callable[[], int]] = (0, int)  # the last training batch's n and N (see below)
 
     @property
     @override
@@ -153,15 +173,54 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._remove_exchange()
         for metric, (available, group) in getattr(self, "_synced", {}).items():
             metric.distributed_available_fn, metric.process_group = available, group
         self._synced = {}
         super().teardown()
 
     # ---- the copies' gradients averaged ---------------------------------------------------------------------
+    @property
+    def data_exchange(self) -> tuple[str, str]:
+        """(the exchange between the copies, its compression) as `ParallelLayout` names them: ("ring", "bf16") with
+        several copies, ("none", "none") with one."""
+        return ("ring", self._compression.spec.tag) if self.copies > 1 else ("none", "none")
+
+    @property
+    def compression(self) -> Compression | None:
+        """The compression between the copies (None: exact, or one copy), made at train start."""
+        return self._compression.active
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load. A split model's checkpoint holds no compression state (each process's would be its own
+        part's), so a resumed compression starts anew, warm-up included, and a line at train start says so."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._compression.keep_saved({})
+        return checkpoint
+
+    def step_counters(self) -> ExchangeCounters:
+        """The bytes of the last exchange between the copies."""
+        return ExchangeCounters(self)
+
+    @override
+    def on_train_start(self) -> None:
+        """A fresh exchange and compression for this fit (the exchange is made at its first step, once the pipeline
+        has freed the other stages)."""
+        super().on_train_start()
+        self._remove_exchange()
+        if self.copies > 1:
+            wire_bytes = allreduce_between("ring", self.group("dp")).wire_bytes
+            self._compression.start(self.copies, self.global_rank // self.copy_size, self.root_device, wire_bytes)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._samples = len(args[0][1])  # this copy's part of the global batch
+        n = len(args[0][1])  # this copy's part of the global batch, and N, the whole batch's samples
+        if self.copies > 1:
+            claim = global_batch_claim(self.lightning_module.trainer.train_dataloader)
+            total = (lambda said=claim()[0]: said) if claim is not None else \
+                count_global_batch(n, self.root_device, self.copies, False, group=self.group("dp"))
+            self._samples = (n, total)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -179,16 +238,36 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
 
     def _average_over_copies(self) -> None:
         """Each gradient this process holds (its stages', or its shares as DTensor) as the mean over the global
-        batch: the sum over the copies of n_d x (copy d's gradient, a mean over its n_d samples), divided by
-        N = sum of n_d; one all_reduce over the processes that hold the same part in the other copies."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in self.lightning_module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        n = torch.tensor([float(self._samples)], dtype=grads[0].dtype, device=grads[0].device)
-        flat = flatten([g * n for g in grads] + [n])  # the exchange's flat buffer, with N summed at its end
-        dist.all_reduce(flat, group=self.group("dp"))
-        copy_back_(flat[:-1] / flat[-1], grads)
+        batch: the sum over the copies of n_d / N x (copy d's gradient, a mean over its n_d samples), N = sum of
+        n_d, as ours weights its replicas' losses; the sum is ours' exchange over the processes that hold the same
+        part in the other copies (`GradientExchange` with one replica per process, our ring between them)."""
+        if self.exchange is None:
+            self._make_exchange()
+        n, total = self._samples
+        for p, held in self._held:  # the exchange reads and writes each gradient in place, through `held`
+            grad = p.grad
+            held.grad = None if grad is None else grad.to_local() if isinstance(grad, DTensor) else grad
+        torch._foreach_mul_([held.grad for _, held in self._held if held.grad is not None], n / total())
+        self.exchange.begin()
+        self.exchange.finish()
+
+    def _make_exchange(self) -> None:
+        """The exchange over the parameters this process holds: a plain tensor over each one's local elements (its
+        DTensor share's, or its own), so that the exchange reads plain gradients; a pipeline's freed stages hold none
+        and stay out. The processes that hold the same part list the same tensors, in the same order."""
+        self._held = []
+        for p in self.lightning_module.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.numel():
+                self._held.append((p, local.detach().requires_grad_(True)))
+        between = allreduce_between("ring", self.group("dp"))
+        self.exchange = GradientExchange([[held for _, held in self._held]], "ring", 25 * 2**20, False, between,
+                                         compression=self.compression)
+
+    def _remove_exchange(self) -> None:
+        if self.exchange is not None:
+            self.exchange.remove()
+        self.exchange, self._held = None, []
 
     # ---- one device's model at the end of each run ------------------------------------------------------------
     def make_whole(self) -> None:
@@ -212,3 +291,4 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
     @override
     def on_predict_end(self) -> None:
         self.make_whole()
+

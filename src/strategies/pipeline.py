@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from src.layout import ParallelLayout
+from src.strategies.comm.compression import CompressionSpec
 from src.strategies.limits import refuse_gradient_scaler
 from src.strategies.pipeline_net import (SCHEDULES, SEVERAL_PER_PROCESS, PipelinedNet, Placement, microbatches_for,
                                          stage_ranks)
@@ -54,11 +55,15 @@ class PipelineStrategy(ModelSplitStrategy):
             (backward split into its input and weight parts to fill the bubble; Qi et al., ICLR 2024).
         pipelines: Pipelines side by side, each taking an equal part of every global batch, their gradients averaged
             over them after each step (pipeline x data parallelism on a 2-D device mesh); the processes must divide
-            into them (consecutive ranks form a pipeline).
+            into them (consecutive ranks form a pipeline). Their gradients travel through ours' exchange.
         processes: How the processes start and wait for each other (`ProcessStart`).
+        compression: How the gradients travel between the pipelines (`kind` "none", "bf16" or "powersgd" with its
+            settings, `src.strategies.comm.compression.CompressionSpec`, as under split_allreduce); with
+            `pipelines` of 2 or more only.
 
     Raises:
-        ValueError: At construction, an unknown schedule, fewer than one micro-batch or pipeline; at setup or the first
+        ValueError: At construction, an unknown schedule, fewer than one micro-batch or pipeline, a compression with
+            one pipeline; at setup or the first
             batch, cuts that do not fit the network or the processes (`check_model`), micro-batches that do not divide
             each pipeline's share of the batch (`check_batch`); the CLI calls both before any process starts.
         RuntimeError: At setup, what the pipeline cannot run: manual optimization, gradient clipping, a model
@@ -70,13 +75,14 @@ class PipelineStrategy(ModelSplitStrategy):
 
     def __init__(self, cuts: list[str] | Literal["auto"] = "auto", n_microbatches: int = 4,
                  schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "gpipe",
-                 pipelines: int = 1, processes: ProcessStart = ProcessStart()) -> None:
+                 pipelines: int = 1, processes: ProcessStart = ProcessStart(),
+                 compression: CompressionSpec = CompressionSpec()) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is not one this strategy runs; choose one of "
                              f"{', '.join(SCHEDULES)}")
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"pipeline n_microbatches must be an integer of at least 1, got {n_microbatches!r}")
-        super().__init__(pipelines, "pp", "pipelines", processes)
+        super().__init__(pipelines, "pp", "pipelines", processes, compression)
         self.cuts, self.n_microbatches, self.schedule = cuts, n_microbatches, schedule
         self._starts: list[int] | None = None  # each stage's first block, fixed at the first batch
         self._blocks: list[tuple[str, nn.Module]] = []
@@ -113,8 +119,9 @@ class PipelineStrategy(ModelSplitStrategy):
         tag = f"{self.schedule}-m{self.n_microbatches}"
         if self.copies > 1:
             words, tag = f"{self.copies} pipelines of {words}", f"{tag}-x{self.copies}"
+        allreduce, compression = self.data_exchange
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
-                              "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
+                              allreduce, self.process_group_backend if p > 1 else None, compression=compression,
                               model_parallel=self.copy_size, model_split=words, split_tag=tag, columns=(
                                   ("run/pipeline_schedule", self.schedule), ("run/micro_batches", self.n_microbatches),
                                   ("run/pipeline_cut", None if self._starts is None else ", ".join(self.chosen_cuts))))

@@ -101,7 +101,7 @@ def _idle_error(total: int, idle: int) -> ValueError:
 
 
 def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_now: bool,
-                       agreement: int = 0) -> Callable[[], int]:
+                       agreement: int = 0, group: Any = None) -> Callable[[], int]:
     """N, the samples of this step's global batch, from this process's `n`: a function that returns it.
 
     The processes sum their counts with one small allreduce, started here and waited for when the function is
@@ -117,6 +117,7 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
         total_replicas: P x K; every replica needs a sample.
         wait_now: Wait here, and refuse a step that left a process without a sample.
         agreement: This process's code, a non-negative integer below 2^20.
+        group: The processes that count (default: the world), e.g. one process per copy of a split model.
 
     Raises:
         ValueError: From the returned function (or at once with `wait_now`), if N is smaller than the P x K
@@ -126,12 +127,12 @@ def count_global_batch(n: int, device: torch.device, total_replicas: int, wait_n
     """
     counts = torch.tensor([float(n), float(n == 0), float(agreement), float(agreement) ** 2], dtype=torch.float64,
                           device=device)
-    work = dist.all_reduce(counts, async_op=True)
+    work = dist.all_reduce(counts, async_op=True, group=group)
 
     def result() -> int:
         work.wait()
         total, idle, codes, squares = (int(v) for v in counts.tolist())
-        if dist.get_world_size() * squares != codes * codes:
+        if dist.get_world_size(group) * squares != codes * codes:
             raise RuntimeError("split_allreduce: the processes disagree on the optimizer (its param groups or their "
                                "lr, momentum, weight decay, ...) or on which parameters require gradients: a callback "
                                "or hook changed them on some ranks only (e.g. under rank_zero_only); make the same "

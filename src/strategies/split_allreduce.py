@@ -26,7 +26,7 @@ from src.batch_shares import ReplicaShares, check_enough_samples, shard_sizes
 from src.strategies.auto_split import AutoSplit
 from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange
-from src.strategies.comm.process_allreduce import ProcessPartition, kept_buffer_bytes, world_allreduce
+from src.strategies.comm.process_allreduce import ProcessPartition, kept_buffer_bytes, allreduce_between
 from src.strategies.comm.exchange_names import exchange_name
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.devices import local_replica_devices, parse_devices
@@ -260,7 +260,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         """Follow replica 0 afresh and make the exchange (after a checkpoint was restored)."""
         if not self.data_parallel:
             return
-        wire_bytes = world_allreduce(self.process_algorithm).wire_bytes if self.multi_process else None
+        wire_bytes = allreduce_between(self.process_algorithm).wire_bytes if self.multi_process else None
         self._compression.start(self.world_size, self.global_rank, self.root_device, wire_bytes)
         self._follow_replica0(anew=True)  # anew: the lr finder runs the fit loop, then fit runs it again
         self._batch_count = GlobalBatchCount(self.global_rank, self.total_replicas, self.root_device)
@@ -292,7 +292,7 @@ class SplitAllreduceStrategy(ProcessesParallelStrategy):
         right while callbacks change `requires_grad` flags: its overlap hooks read them at each backward."""
         if self.exchange is not None:
             self.exchange.remove()
-        between = world_allreduce(self.process_algorithm) if self.multi_process else None
+        between = allreduce_between(self.process_algorithm) if self.multi_process else None
         # several CPU processes: overlap exchanges beside backward (gloo waits on the network); GPUs in the hook
         background = self.multi_process and all(d.type == "cpu" for d in self.replica_devices)
         self.exchange = GradientExchange(self.replica_set.params, self.algorithm, self.bucket_cap_bytes, self.overlap,

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from src.layout import ParallelLayout
 from src.run.checkpoints import optimizer_state_by_position
+from src.strategies.comm.compression import CompressionSpec
 from src.strategies.model_split import ModelSplitStrategy
 from src.strategies.processes import ProcessStart
 from src.strategies.tensor_plans import Split, apply_plan, check_plan, make_whole
@@ -38,20 +39,26 @@ class TensorParallelStrategy(ModelSplitStrategy):
     Args:
         replicas: Copies of the split model side by side, each taking an equal part of every global batch, their
             gradients averaged over them after each step (tensor x data parallelism on a 2-D device mesh); the
-            processes must divide into them (consecutive ranks hold one copy).
+            processes must divide into them (consecutive ranks hold one copy). Their gradients travel through ours'
+            exchange.
         processes: How the processes start and wait for each other (`ProcessStart`).
+        compression: How the gradients travel between the replicas (`kind` "none", "bf16" or "powersgd" with its
+            settings, `src.strategies.comm.compression.CompressionSpec`, as under split_allreduce); with
+            `replicas` of 2 or more only.
 
     Raises:
         RuntimeError: At setup, a model without `net`, manual optimization, torch.compile, gradient clipping.
-        ValueError: At setup, a network without a plan, or channels or units that P does not divide. The CLI refuses
+        ValueError: At construction, a compression with one replica; at setup, a network without a plan, or channels
+            or units that P does not divide. The CLI refuses
             all of these before any process starts (`check_model`).
     """
 
     strategy_name = "tensor_parallel"
     way = "tensor parallelism"
 
-    def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart()) -> None:
-        super().__init__(replicas, "tp", "replicas", processes)
+    def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart(),
+                 compression: CompressionSpec = CompressionSpec()) -> None:
+        super().__init__(replicas, "tp", "replicas", processes, compression)
         self._tp_mesh: DeviceMesh | None = None  # the mesh of this process's copy
         self._split: Split = []  # the layers the plan replaced, while split (`tensor_plans.apply_plan`)
 
@@ -62,8 +69,9 @@ class TensorParallelStrategy(ModelSplitStrategy):
         if self.copies > 1:
             words, tag = f"{self.copies} replicas, {words}", f"tp-x{self.copies}"
         devices = tuple(self.parallel_devices or [self.root_device])
-        return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices,
-                              "torch" if self.copies > 1 else "none", self.process_group_backend if p > 1 else None,
+        allreduce, compression = self.data_exchange
+        return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices, allreduce,
+                              self.process_group_backend if p > 1 else None, compression=compression,
                               model_parallel=shares, model_split=words, split_tag=tag,
                               columns=(("run/tensor_degree", shares),))
 

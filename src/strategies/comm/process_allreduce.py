@@ -284,10 +284,10 @@ def process_allreduce(name: str) -> Callable[[Tensor, dist.ProcessGroup | None],
     return ring_allreduce_ if name == "ring" else torch_allreduce_
 
 
-def world_allreduce(name: str) -> BetweenProcesses:
-    """The implementation called `name` over the default (world) process group, as a `BetweenProcesses`: each call
-    is a `dp/allreduce (processes)` span in the step timeline, and its `wire_bytes` are `ring_bytes` for "ring"
-    (0 for "torch", whose bytes the backend does not report).
+def allreduce_between(name: str, group: dist.ProcessGroup | None = None) -> BetweenProcesses:
+    """The implementation called `name` over the processes of `group` (default: the world), as a
+    `BetweenProcesses`: each call is a `dp/allreduce (processes)` span in the step timeline, and its `wire_bytes`
+    are `ring_bytes` for "ring" (0 for "torch", whose bytes the backend does not report).
 
     Raises:
         ValueError: For another name.
@@ -296,8 +296,9 @@ def world_allreduce(name: str) -> BetweenProcesses:
 
     def between_processes(buffer: Tensor) -> int | None:
         with phase("allreduce (processes)"):
-            return implementation(buffer, None)
+            return implementation(buffer, group)
 
     def wire_bytes(numel: int, element_size: int) -> int:
-        return ring_bytes(numel, element_size, dist.get_world_size(), dist.get_rank()) if name == "ring" else 0
+        return ring_bytes(numel, element_size, dist.get_world_size(group), dist.get_rank(group)) if name == "ring" \
+            else 0
     return BetweenProcesses(between_processes, wire_bytes)
