@@ -16,6 +16,11 @@ What a resume does with it (one line says which, on rank 0):
   compression starts anew, warm-up steps included;
 * a run without compression ignores the key, with a line that says so (under another strategy the CLI says it,
   `src.cli`).
+
+A split model's copies (`src.strategies.model_split`) save another form under the same key, `by_process[r]`: rank
+r's whole state, its Q's included, since each process compresses its own part of the model. It resumes on the same
+number of processes only (each process takes its own back, bitwise); anywhere else, and in the other form's runs,
+the compression starts anew.
 """
 
 from collections.abc import Callable
@@ -56,11 +61,39 @@ def gather_state(compression: Compression, world_size: int) -> dict[str, Any]:
     return state
 
 
+def gather_by_process(compression: Compression, world_size: int) -> dict[str, Any]:
+    """Every process's whole compression state (step count, Q's, error memory), on the CPU, as `by_process[r]` for
+    rank r: a split model's form, whose processes compress different parts of the model. A collective over all
+    processes (objects, since the parts differ in size)."""
+    mine = compression.state_dict()
+    mine["q"] = {i: q.cpu() for i, q in mine.get("q", {}).items()}
+    errors: dict[int, Tensor] | None = getattr(compression, "errors", None)
+    if errors is not None:
+        mine["errors"] = {i: e.cpu() for i, e in errors.items()}
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return {"method": compression.name, "rank": getattr(compression, "rank", None), "world_size": world_size,
+            "by_process": everyone}
+
+
+def _restore_by_process(compression: Compression, saved: dict[str, Any], world_size: int, rank: int,
+                        device: torch.device) -> str:
+    """`gather_by_process`'s form back into this process's compression on the same number of processes; the line."""
+    if int(saved.get("world_size", -1)) != world_size:
+        return (f"gradient compression: {describe(compression.state_dict())} starts anew (the checkpoint's is "
+                f"{saved.get('world_size')} processes' own parts, this run has {world_size})")
+    mine = saved["by_process"][rank]
+    state = dict(mine, q={i: q.to(device) for i, q in mine.get("q", {}).items()})
+    errors = {i: e.to(device) for i, e in mine["errors"].items()} if "errors" in mine else None
+    compression.load_state_dict(state, errors)
+    return f"gradient compression: {describe(saved)} resumed at step {compression.steps}, each process's own state back"
+
+
 def restore_state(compression: Compression | None, saved: dict[str, Any] | None, world_size: int,
-                  rank: int, device: torch.device) -> str | None:
+                  rank: int, device: torch.device, by_process: bool = False) -> str | None:
     """Load `saved` (a resumed checkpoint's `gradient_compression`, {} for a checkpoint without it, None when the
     run starts afresh) into `compression` as the module docstring says, and return the line that tells the user
-    what happened (None when there is nothing to say)."""
+    what happened (None when there is nothing to say). `by_process`: this run keeps a split model's form."""
     if saved is None:
         return None
     saved = saved or None
@@ -72,6 +105,11 @@ def restore_state(compression: Compression | None, saved: dict[str, Any] | None,
             compression, "rank", None):
         why = "the checkpoint holds none" if saved is None else f"the checkpoint's is for {describe(saved)}"
         return f"gradient compression: {describe(compression.state_dict())} starts anew ({why})"
+    if ("by_process" in saved) != by_process:
+        theirs = "a split model's copies'" if by_process is False else "one for whole replicas (split_allreduce)"
+        return f"gradient compression: {describe(compression.state_dict())} starts anew (the checkpoint's is {theirs})"
+    if by_process:
+        return _restore_by_process(compression, saved, world_size, rank, device)
     by_rank = saved.get("errors_by_rank")
     saved_world = int(saved.get("world_size", world_size))
     if by_rank is None:
@@ -108,10 +146,12 @@ class CheckpointedCompression:
 
     Args:
         spec: The strategy's checked `compression` options.
+        by_process: Save and restore every process's whole state (`gather_by_process`): a split model's copies,
+            whose processes compress different parts of the model.
     """
 
-    def __init__(self, spec: CompressionSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: CompressionSpec, by_process: bool = False) -> None:
+        self.spec, self.by_process = spec, by_process
         self.active: Compression | None = None  # made at train start; the exchange of each fit loop uses it
         self._saved: dict[str, Any] | None = None  # a resumed checkpoint's state ({}: none in it)
 
@@ -125,8 +165,8 @@ class CheckpointedCompression:
         a line says so), then restore the held checkpoint state into it as the module docstring says.
 
         Args:
-            world_size: P.
-            rank: This process's rank.
+            world_size: P, the processes that exchange (a split model's copies).
+            rank: This process's rank among them.
             device: Where its state lives (replica 0's device).
             wire_bytes: Bytes this process sends to allreduce a buffer of (numel, element size in bytes) between
                 processes (None with one process).
@@ -139,7 +179,10 @@ class CheckpointedCompression:
         if name != "none" and world_size > 1:
             self.active = self.spec.make(world_size, wire_bytes)
         saved, self._saved = self._saved, None
-        line = restore_state(self.active, saved, world_size, rank, device)
+        # the split model's form is saved by global rank: every process of the job keeps a state of its own
+        where = (dist.get_world_size(), dist.get_rank()) if self.by_process and dist.is_initialized() else \
+            (world_size, rank)
+        line = restore_state(self.active, saved, *where, device, self.by_process)
         if line:
             rank_zero_info(line)
 
@@ -147,4 +190,4 @@ class CheckpointedCompression:
         """Put every process's state into a full checkpoint (a collective: all ranks call it); a weights-only
         checkpoint gets none."""
         if self.active is not None and "optimizer_states" in checkpoint:
-            checkpoint[KEY] = gather_state(self.active, world_size)
+            checkpoint[KEY] = (gather_by_process if self.by_process else gather_state)(self.active, world_size)

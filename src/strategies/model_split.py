@@ -63,7 +63,7 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
             raise ValueError(f"compression {compression.kind} compresses the gradients between copies of the split "
                              f"model, and there is one: set {copies_name} to 2 or more, or leave compression out")
         super().__init__(processes)
-        self._compression = CheckpointedCompression(compression)
+        self._compression = CheckpointedCompression(compression, by_process=True)
         self.copies, self._split_dim, self._copies_name = copies, split, copies_name
         self._mesh: DeviceMesh | None = None  # (copies, processes per copy), with several copies
         self.exchange: GradientExchange | None = None  # between the copies, made at a fit's first step
@@ -193,11 +193,18 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's load. A split model's checkpoint holds no compression state (each process's would be its own
-        part's), so a resumed compression starts anew, warm-up included, and a line at train start says so."""
+        """Lightning's load, keeping the checkpoint's compression state for the start of training."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._compression.keep_saved({})
+        self._compression.keep_saved(checkpoint)
         return checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add every process's compression state (each compresses its own part of the model: a collective, so all
+        ranks run it, `src.strategies.compression_state.gather_by_process`), then write on rank 0 as Lightning
+        does. A weights-only checkpoint gets none."""
+        self._compression.add_to(checkpoint, self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def step_counters(self) -> ExchangeCounters:
         """The bytes of the last exchange between the copies."""
