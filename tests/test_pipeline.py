@@ -306,7 +306,7 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
 
 @pytest.mark.parametrize("overlay, options", [
     ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, processes, compression"),
-    ("tensor_parallel_cpu", "replicas, processes, compression"),
+    ("tensor_parallel_cpu", "replicas, processes, compression, overlap"),
 ])
 def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overlay, options, fast_args, capsys):
     """Ours' `zero_stage` partitions the replicas' state; the pipeline and tensor parallelism take no such option,
@@ -449,3 +449,14 @@ def test_resnet18_pipelines_equal_one_device_accumulating_the_same_micro_batches
     assert off <= 1e-9 and max_param_diff(accumulated, both) <= 1e-9
     assert moved > 0.1 and max_param_diff(*one_step) > 1e-6
 
+
+def test_overlap_and_compression_with_one_copy_are_refused():
+    """Both act between copies of the split model side by side: with one there is nothing to exchange."""
+    from src.strategies import CompressionSpec, TensorParallelStrategy
+
+    with pytest.raises(ValueError, match="overlap acts on the gradients exchanged between copies of the split model, "
+                                         "and there is one: set replicas to 2 or more, or leave overlap out"):
+        TensorParallelStrategy(overlap=True)
+    with pytest.raises(ValueError, match="compression bf16 acts on .* set pipelines to 2 or more, or leave "
+                                         "compression out"):
+        PipelineStrategy(compression=CompressionSpec("bf16"))

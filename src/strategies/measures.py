@@ -18,20 +18,24 @@ class ExchangeCounters(StepCounters):
     uncompressed. Ours and the split models' copies (`src.strategies.model_split`) count alike."""
 
     def per_step_tags(self) -> list[str]:
-        """`comm/bytes_sent_per_device_max` (and under compression `comm/bytes_uncompressed_per_device_max`) where
-        the layout exchanges gradients at all."""
+        """`comm/bytes_sent_per_device_max` (and under compression `comm/bytes_uncompressed_per_device_max`, with
+        `overlap` `comm/buckets_reduced_in_backward`) where the layout exchanges gradients at all."""
         layout = self.strategy.parallel_layout()
         if layout.allreduce == "none":
             return []
-        return [SENT, *([UNCOMPRESSED] if layout.compression != "none" else [])]
+        return [SENT, *([UNCOMPRESSED] if layout.compression != "none" else []),
+                *([IN_BACKWARD] if self.strategy.overlap else [])]
 
     def scalars(self) -> dict[str, float]:
-        """Bytes the busiest device sent in the last exchange (and would have sent uncompressed)."""
+        """Bytes the busiest device sent in the last exchange (and would have sent uncompressed), and the buckets it
+        reduced during backward."""
         exchange, scalars = self.strategy.exchange, {}
         if exchange is not None and exchange.bytes_sent:
             scalars[SENT] = float(max(exchange.bytes_sent))
             if exchange.compression is not None:
                 scalars[UNCOMPRESSED] = float(max(exchange.bytes_uncompressed))
+        if exchange is not None and exchange.reduced_in_backward is not None:
+            scalars[IN_BACKWARD] = float(exchange.reduced_in_backward)
         return scalars
 
     def compression_bytes(self) -> tuple[str, int, int] | None:
@@ -55,21 +59,18 @@ class SplitAllreduceCounters(ExchangeCounters):
         self.memory_once, self.split_once = bool(strategy.zero_stage), strategy.split_weights == "auto"
 
     def per_step_tags(self) -> list[str]:
-        """The exchange's bytes, `comm/buckets_reduced_in_backward`, `grad_norm/replica_<k>` and `memory/*` with
-        several replicas, each as its options have it."""
+        """The exchange's tags, `grad_norm/replica_<k>` and `memory/*` with several replicas, each as its options
+        have it."""
         strategy = self.strategy
         if not strategy.data_parallel:
             return []
-        return [*super().per_step_tags(), *([IN_BACKWARD] if strategy.overlap else []),
-                *([f"grad_norm/replica_{k}" for k in range(strategy.replicas_per_process)]
+        return [*super().per_step_tags(), *([f"grad_norm/replica_{k}" for k in range(strategy.replicas_per_process)]
                   if strategy.log_grad_norms else []), *MEMORY_TAGS]
 
     def scalars(self) -> dict[str, float]:
-        """The exchange's bytes, buckets reduced during backward, each replica's gradient norm before the exchange,
-        and the largest replica's model-state bytes."""
+        """The exchange's scalars, each replica's gradient norm before the exchange, and the largest replica's
+        model-state bytes."""
         exchange, scalars = self.strategy.exchange, super().scalars()
-        if exchange is not None and exchange.reduced_in_backward is not None:
-            scalars[IN_BACKWARD] = float(exchange.reduced_in_backward)
         for k, norm in enumerate(exchange.grad_norms if exchange is not None else []):
             scalars[f"grad_norm/replica_{k}"] = norm
         rows = self.strategy.model_state_bytes()

@@ -10,7 +10,8 @@ count each sample once, and the model is made whole on every process at the end 
 launchers, the run after `fit` and the user's code read one device's model.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,22 +48,27 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         processes: How the processes start and wait for each other (`ProcessStart`).
         compression: How the gradients travel between the copies, as under `split_allreduce` (`kind` "none", "bf16"
             or "powersgd", `src.strategies.comm.compression.CompressionSpec`); only with several copies.
+        overlap: Exchange each bucket between the copies during backward, as soon as its gradients are ready (on a
+            thread of its own beside backward on CPUs), as under `split_allreduce`; only with several copies.
 
     Raises:
-        ValueError: Fewer than one copy, or a compression with one copy (there is nothing to exchange).
+        ValueError: Fewer than one copy, or a compression or overlap with one copy (there is nothing to exchange).
     """
 
     #: how messages name the strategy, e.g. "the pipeline strategy"
     way = "this strategy"
 
     def __init__(self, copies: int, split: str, copies_name: str, processes: ProcessStart,
-                 compression: CompressionSpec = CompressionSpec()) -> None:
+                 compression: CompressionSpec = CompressionSpec(), overlap: bool = False) -> None:
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise ValueError(f"{copies_name} must be an integer of at least 1, got {copies!r}")
-        if compression.kind != "none" and copies == 1:
-            raise ValueError(f"compression {compression.kind} compresses the gradients between copies of the split "
-                             f"model, and there is one: set {copies_name} to 2 or more, or leave compression out")
+        for option, given in ((f"compression {compression.kind}", compression.kind != "none"), ("overlap", overlap)):
+            if given and copies == 1:
+                raise ValueError(f"{option} acts on the gradients exchanged between copies of the split model, and "
+                                 f"there is one: set {copies_name} to 2 or more, or leave {option.split()[0]} out")
         super().__init__(processes)
+        self.overlap = overlap
+        self._accumulating = False  # inside Lightning's `block_backward_sync`: a micro-batch that only accumulates
         self._compression = CheckpointedCompression(compression, by_process=True)
         self.copies, self._split_dim, self._copies_name = copies, split, copies_name
         self._mesh: DeviceMesh | None = None  # (copies, processes per copy), with several copies
@@ -243,33 +249,69 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
             return out
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Around the backward of a micro-batch that only accumulates (Lightning's hook, as DDP's `no_sync`): with
+        `overlap`, that backward exchanges nothing."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; with `overlap`, the exchange armed first (not for a micro-batch that only
+        accumulates), so that each bucket goes to the other copies once its gradients are ready."""
+        if self.overlap and not self._accumulating:
+            if self.exchange is None:
+                self._make_exchange()
+            self.exchange.begin()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _average_over_copies(self) -> None:
         """Each gradient this process holds (its stages', or its shares as DTensor) as the mean over the global
         batch: the sum over the copies of n_d / N x (copy d's gradient, a mean over its n_d samples), N = sum of
         n_d, as ours weights its replicas' losses; the sum is ours' exchange over the processes that hold the same
-        part in the other copies (`GradientExchange` with one replica per process, our ring between them)."""
+        part in the other copies (`GradientExchange` with one replica per process, our ring between them), the
+        buckets not exchanged during backward (all of them without `overlap`) exchanged here."""
         if self.exchange is None:
             self._make_exchange()
-        n, total = self._samples
-        for p, held in self._held:  # the exchange reads and writes each gradient in place, through `held`
-            grad = p.grad
-            held.grad = None if grad is None else grad.to_local() if isinstance(grad, DTensor) else grad
-        torch._foreach_mul_([held.grad for _, held in self._held if held.grad is not None], n / total())
-        self.exchange.begin()
+        readiness = self.exchange.readiness
+        if readiness is None or not readiness.armed:
+            self.exchange.begin()
         self.exchange.finish()
+
+    def _prepare(self, indices: list[int]) -> None:
+        """Right before a bucket is exchanged: each of its gradients where the exchange reads it, through `held` (a
+        view of the DTensor share's local gradient, or the gradient itself: the exchange sums in place), scaled by
+        n / N; zeros for a parameter without a gradient (the result stays out of the parameter)."""
+        n, total = self._samples
+        scale = n / total()
+        for i in indices:
+            p, held = self._held[i]
+            grad = p.grad
+            if grad is None:
+                held.grad = torch.zeros_like(held)
+                continue
+            held.grad = grad.to_local() if isinstance(grad, DTensor) else grad
+            held.grad.mul_(scale)
 
     def _make_exchange(self) -> None:
         """The exchange over the parameters this process holds: a plain tensor over each one's local elements (its
-        DTensor share's, or its own), so that the exchange reads plain gradients; a pipeline's freed stages hold none
-        and stay out. The processes that hold the same part list the same tensors, in the same order."""
+        DTensor share's, or its own), so that the exchange reads plain gradients (`_prepare`), while with `overlap`
+        the parameters' own gradients mark a bucket ready; a pipeline's freed stages hold none and stay out. The
+        processes that hold the same part list the same tensors, in the same order."""
         self._held = []
         for p in self.lightning_module.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             if local.numel():
                 self._held.append((p, local.detach().requires_grad_(True)))
         between = allreduce_between("ring", self.group("dp"))
-        self.exchange = GradientExchange([[held for _, held in self._held]], "ring", 25 * 2**20, False, between,
-                                         compression=self.compression)
+        background = self.root_device.type == "cpu"  # gloo waits on the network: beside backward, as ours does
+        self.exchange = GradientExchange([[held for _, held in self._held]], "ring", 25 * 2**20, self.overlap,
+                                         between, background, self.compression, hooked=[[p for p, _ in self._held]],
+                                         prepare=self._prepare)
 
     def _remove_exchange(self) -> None:
         if self.exchange is not None:

@@ -45,20 +45,22 @@ class TensorParallelStrategy(ModelSplitStrategy):
         compression: How the gradients travel between the replicas (`kind` "none", "bf16" or "powersgd" with its
             settings, `src.strategies.comm.compression.CompressionSpec`, as under split_allreduce); with
             `replicas` of 2 or more only.
+        overlap: Exchange each bucket between the replicas during backward, once its gradients are ready, as under
+            split_allreduce; with `replicas` of 2 or more only.
 
     Raises:
         RuntimeError: At setup, a model without `net`, manual optimization, torch.compile, gradient clipping.
-        ValueError: At construction, a compression with one replica; at setup, a network without a plan, or channels
-            or units that P does not divide. The CLI refuses
-            all of these before any process starts (`check_model`).
+        ValueError: At construction, a compression or overlap with one replica; at setup, a network without a
+            plan, or channels or units that P does not divide. The CLI refuses all of these before any process
+            starts (`check_model`).
     """
 
     strategy_name = "tensor_parallel"
     way = "tensor parallelism"
 
     def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart(),
-                 compression: CompressionSpec = CompressionSpec()) -> None:
-        super().__init__(replicas, "tp", "replicas", processes, compression)
+                 compression: CompressionSpec = CompressionSpec(), overlap: bool = False) -> None:
+        super().__init__(replicas, "tp", "replicas", processes, compression, overlap)
         self._tp_mesh: DeviceMesh | None = None  # the mesh of this process's copy
         self._split: Split = []  # the layers the plan replaced, while split (`tensor_plans.apply_plan`)
 

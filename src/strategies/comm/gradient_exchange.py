@@ -149,7 +149,8 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
                          between: BetweenProcesses | None = None,
                          bucket_ids: Sequence[int] | None = None,
                          compression: Compression | None = None,
-                         bucket_fn: Callable[..., list[int]] | None = None) -> list[int]:
+                         bucket_fn: Callable[..., list[int]] | None = None,
+                         prepare: Callable[[list[int]], None] | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
 
     In one process, a parameter whose gradient is None on every replica is left alone (as on one device);
@@ -170,6 +171,7 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and returns
             the bytes each device sent (ZeRO's reduce-scatter, `src.strategies.partitions.Partitions`). Every parameter
             that requires a gradient then takes part, and one without a `.grad` is left for it to read as zeros.
+        prepare: Called with a bucket's parameter indices right before it is exchanged (see `GradientExchange`).
 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
@@ -194,6 +196,8 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         buckets = [[i for i in bucket if i in alive] for bucket in buckets]
     for b, bucket in zip(bucket_ids or range(len(buckets)), buckets):
         if bucket:
+            if prepare is not None:
+                prepare(bucket)
             members = [[ps[i] for i in bucket] for ps in replica_params]
             if bucket_fn is None:
                 counts = allreduce_bucket_(members, algorithm, between, b, compression, bucket)
@@ -227,6 +231,12 @@ class GradientExchange:
             returns the bytes each device sent: ZeRO stage 2's reduce-scatter
             (`src.strategies.partitions.Partitions.reduce_scatter_bucket_`, which the partitioned optimizer built
             over this exchange's `buckets` sets as `bucket_fn` when attached to it). None: the allreduce.
+        hooked: With `overlap`, the tensors whose gradients' arrival marks a bucket ready (aligned with
+            `replica_params`; default: those themselves): a split model's own parameters (DTensor shares), whose
+            plain local views the exchange reads (`src.strategies.model_split`).
+        prepare: Called with a bucket's parameter indices right before the bucket is exchanged, during or after
+            backward: it makes their `.grad` what the exchange reads (a split model sets its views of the
+            parameters' gradients there, scaled by its copy's share of the global batch). None: nothing to do.
 
     Raises:
         ValueError: An unknown algorithm.
@@ -234,12 +244,15 @@ class GradientExchange:
 
     def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
                  overlap: bool, between: BetweenProcesses | None = None, background: bool = False,
-                 compression: Compression | None = None, bucket_fn: Callable[..., list[int]] | None = None) -> None:
-        self.params, self.between = replica_params, between
+                 compression: Compression | None = None, bucket_fn: Callable[..., list[int]] | None = None,
+                 hooked: list[list[nn.Parameter]] | None = None,
+                 prepare: Callable[[list[int]], None] | None = None) -> None:
+        self.params, self.between, self.prepare = replica_params, between, prepare
         self.algorithm = in_process_allreduce(algorithm)  # chosen once; the buckets' path runs it as it is
         self.compression = compression if between is not None else None
         self.buckets = bucket_indices(replica_params[0], cap_bytes)
-        self.readiness = BucketReadiness(replica_params, self.buckets, self._reduce_in_backward) if overlap else None
+        self.readiness = BucketReadiness(hooked or replica_params, self.buckets, self._reduce_in_backward) if overlap \
+            else None
         self.bytes_sent: list[int] = []  # per device, in the last exchange
         self.bytes_uncompressed: list[int] = []  # per device, what the last exchange would have sent uncompressed
         self.grad_norms: list[float] = []  # per replica, before the last exchange, when asked for
@@ -312,11 +325,11 @@ class GradientExchange:
         if left is None:
             self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
                                                    between=self.between, compression=self.compression,
-                                                   bucket_fn=self.bucket_fn)
+                                                   bucket_fn=self.bucket_fn, prepare=self.prepare)
         else:
             rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left],
                                         between=self.between, bucket_ids=left, compression=self.compression,
-                                        bucket_fn=self.bucket_fn)
+                                        bucket_fn=self.bucket_fn, prepare=self.prepare)
             self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
         self.bytes_uncompressed = list(self.bytes_sent)
         if self.compression is not None:  # replica 0's device sends the process's compressed sum
@@ -339,6 +352,8 @@ class GradientExchange:
         trainable = [i for i in self.buckets[b] if self.readiness.trainable[i]]  # frozen ones have no gradient
         if not trainable:
             return
+        if self.prepare is not None:  # here, on backward's thread: the gradients are final now
+            self.prepare(trainable)
         members = [[ps[i] for i in trainable] for ps in self.params]
         if self._worker is None:
             self._reduce_members(members, b, trainable)
