@@ -1,6 +1,6 @@
 """Tensor parallelism inside pipeline stages (`PipelineStrategy(tensor=...)`): each stage's layers split by the
 network's tensor plan over its processes, on a ("dp", "pp", "tp") device mesh; one device's model in float64 under
-GPipe and 1F1B, with pipelines side by side, checkpoints in one device's format both ways, and the refusals."""
+every schedule, with pipelines side by side, checkpoints in one device's format both ways, and the refusals."""
 
 import lightning.pytorch as pl
 import pytest
@@ -39,10 +39,18 @@ class HeldShares(pl.Callback):
             torch.save(held, self.path / f"held{trainer.global_rank}.pt")
 
 
+# the process along the pipeline that holds each of LeNet's layers with parameters, under both cuts below: the
+# convs in the first stage (or stages 0 and 2, stage 2 only the Flatten), the dense layers in the last (stages 1, 3)
+OWNER = {"features.0": 0, "features.3": 0, "classifier.1": 1, "classifier.3": 1}
+# the interleaved schedules run 4 stages on the 2 processes along a pipeline, no cut inside a pair of the plan
+FOUR = ["features.4", "classifier", "classifier.1"]
+CUTS = {"gpipe": ["classifier"], "1f1b": ["classifier"], "interleaved_1f1b": FOUR, "interleaved_zero_bubble": FOUR}
+
+
 def _assert_each_stage_holds_its_shares(path, ranks: int) -> None:
-    """Rank r holds stage (r // 2) % 2 (features, then classifier): LeNet's split layers of its stage as DTensor
+    """Rank r is process (r // 2) % 2 along its pipeline (`OWNER`): it holds its stages' split layers as DTensor
     halves (the plan's conv1 by output channels, conv2 by input channels, both dense layers; the rowwise layer's
-    bias a replicated DTensor, whole), its other tensors plain and whole, the other stage's parameters freed (no
+    bias a replicated DTensor, whole), its other tensors plain and whole, the other stages' parameters freed (no
     elements)."""
     whole = {name: p.numel() for name, p in LeNetClassifier().named_parameters()}
     halves = {"net.features.0.weight", "net.features.0.bias", "net.features.3.weight", "net.classifier.1.weight",
@@ -50,27 +58,27 @@ def _assert_each_stage_holds_its_shares(path, ranks: int) -> None:
     dtensors = halves | {"net.classifier.3.bias"}
     for rank in range(ranks):
         held = torch.load(path / f"held{rank}.pt")
-        stage = ["features", "classifier"][(rank // 2) % 2]
         assert held.keys() == whole.keys()
         for name, (is_dtensor, numel) in held.items():
-            mine = name.split(".")[1] == stage
+            mine = OWNER[".".join(name.split(".")[1:3])] == (rank // 2) % 2
             want = (name in dtensors, whole[name] // 2 if name in halves else whole[name]) if mine else (False, 0)
             assert (is_dtensor, numel) == want, (rank, name)
 
 
 @pytest.mark.slow  # 4 processes per schedule, about 3 s each
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_one_pipeline_of_two_tensor_parallel_stages_equals_one_device(tiny_data_dir, tmp_path, schedule):
-    """1 pipeline x 2 stages x tensor 2 on 4 processes, cut at `classifier`: each process holds its stage's split
-    layers as DTensor halves and the other stage freed, and after 20 steps in float64 with momentum, weight decay and
-    warm-up then cosine the model is one device's (1e-9), which moved far from the start (the control)."""
+@pytest.mark.parametrize("schedule", list(CUTS))
+def test_one_pipeline_of_tensor_parallel_stages_equals_one_device(tiny_data_dir, tmp_path, schedule):
+    """1 pipeline x 2 stages x tensor 2 on 4 processes, cut at `classifier` (under the interleaved schedules 4
+    stages, 2 on each pair of processes): each process holds its stages' split layers as DTensor halves and the
+    other stages freed, and after 20 steps in float64 with momentum, weight decay and warm-up then cosine the model
+    is one device's (1e-9), which moved far from the start (the control)."""
     one, _, _ = fit(tiny_data_dir, steps=STEPS, batch_size=BATCH, model_kwargs=RECIPE)
-    split, _, _ = fit(tiny_data_dir, _pipeline(schedule=schedule), devices=4, steps=STEPS, batch_size=BATCH,
-                      model_kwargs=RECIPE, callbacks=[HeldShares(tmp_path)])
+    split, _, _ = fit(tiny_data_dir, _pipeline(schedule=schedule, cuts=CUTS[schedule]), devices=4, steps=STEPS,
+                      batch_size=BATCH, model_kwargs=RECIPE, callbacks=[HeldShares(tmp_path)])
     _assert_each_stage_holds_its_shares(tmp_path, 4)
     moved = max_param_diff(one, seeded_model(model_kwargs=RECIPE))
-    print(f"pipeline {schedule} x tensor 2, LeNet, 2 stages x 4 micro-batches: {max_param_diff(one, split):.3g} "
-          f"from one device after {STEPS} steps, which moved {moved:.3g}")
+    print(f"pipeline {schedule} x tensor 2, LeNet, {len(CUTS[schedule]) + 1} stages x 4 micro-batches: "
+          f"{max_param_diff(one, split):.3g} from one device after {STEPS} steps, which moved {moved:.3g}")
     assert max_param_diff(one, split) <= 1e-9 and moved > 0.1
     assert not any(isinstance(p, DTensor) for p in split.parameters())  # made whole after the run
 
@@ -176,8 +184,6 @@ def test_a_network_without_a_tensor_plan_is_refused_before_any_process_starts(ti
     (dict(tensor=0), "pipeline tensor must be an integer of at least 1, got 0"),
     (dict(tensor=2, cuts="auto"), "pipeline tensor 2 splits each stage's layers before the first batch, and cuts: "
                                   "auto chooses the cut at it; name the cuts"),
-    (dict(tensor=2, cuts=["features.3", "classifier", "classifier.2"], schedule="interleaved_1f1b"),
-     "pipeline tensor 2 runs one stage on each process: use schedule gpipe or 1f1b, not interleaved_1f1b"),
 ])
 def test_tensor_options_the_pipeline_cannot_run_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

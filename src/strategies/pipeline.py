@@ -11,6 +11,13 @@ stages are freed on it.
 A checkpoint is one device's: its state dict and optimizer state gathered from the stages on rank 0, so a one-device
 run resumes it and a pipelined run resumes one device's.
 
+With `tensor` T above 1 each stage is held by T processes (torchtitan's layout): the mesh is ("dp", "pp", "tp"),
+consecutive ranks sharing a stage, and each process splits only its own stages' layers by the network's tensor plan
+(`src.strategies.tensor_plans`) over its "tp" group before the optimizer is made; torch's `PipelineStage` sends
+and receives between the processes of equal tp rank over the "pp" group (whole activations: no cut falls inside a
+pair of the plan), and the pipelines' gradients go through ours' exchange over "dp". Checkpoints stay one
+device's: the shares gathered whole (`full_tensor`) before the stages' keys are gathered on rank 0.
+
 Sources: torch.distributed.pipelining (https://pytorch.org/docs/stable/distributed.pipelining.html); GPipe (Huang
 et al., NeurIPS 2019, https://arxiv.org/abs/1811.06965); 1F1B (Narayanan et al., "PipeDream", SOSP 2019).
 """
@@ -64,7 +71,7 @@ class PipelineStrategy(ModelSplitStrategy):
             tensor, on a 3-D device mesh ("dp", "pp", "tp"): rank = (pipeline x stages + stage) x tensor + tp rank,
             so consecutive ranks share a stage (its tp group), then come the stages of a pipeline, then the
             pipelines. 1: no mesh dimension "tp", the pipeline as without this option. Above 1 it takes explicit
-            `cuts` and the gpipe or 1f1b schedule.
+            `cuts`, none inside a pair of the plan (`check_cuts_keep_pairs`), under every schedule.
         processes: How the processes start and wait for each other (`ProcessStart`).
         compression: How the gradients travel between the pipelines (`kind` "none", "bf16" or "powersgd" with its
             settings, `src.strategies.comm.compression.CompressionSpec`, as under split_allreduce); with
@@ -72,7 +79,7 @@ class PipelineStrategy(ModelSplitStrategy):
 
     Raises:
         ValueError: At construction, an unknown schedule, fewer than one micro-batch, pipeline or process per
-            stage, a compression with one pipeline, `tensor` above 1 with cuts: auto or an interleaved schedule; at
+            stage, a compression with one pipeline, `tensor` above 1 with cuts: auto; at
             setup (the CLI: before any process starts), processes that do not divide into pipelines x stages x
             tensor, a network without a tensor plan or whose split layers `tensor` does not divide, a cut inside a
             pair of the plan (`check_cuts_keep_pairs`); at setup or the first batch, cuts that do not fit the
@@ -94,7 +101,7 @@ class PipelineStrategy(ModelSplitStrategy):
                              f"{', '.join(SCHEDULES)}")
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"pipeline n_microbatches must be an integer of at least 1, got {n_microbatches!r}")
-        check_tensor_option(tensor, cuts, schedule)
+        check_tensor_option(tensor, cuts)
         super().__init__(pipelines, "pp", "pipelines", processes, compression)
         self.tensor = tensor
         self._split: Split = []  # this process's stage's layers the tensor plan replaced, while split
@@ -428,22 +435,18 @@ class PipelineStrategy(ModelSplitStrategy):
         load_optimizer_shares(self.optimizers, checkpoint["optimizer_states"])
 
 
-def check_tensor_option(tensor: int, cuts: list[str] | str, schedule: str) -> None:
+def check_tensor_option(tensor: int, cuts: list[str] | str) -> None:
     """Refuse a `tensor` option the pipeline cannot run, each in one message with what to do.
 
     Raises:
         ValueError: Not an integer of at least 1; above 1 with cuts: auto (the cut must be known before the optimizer
-            is made, to split only this process's stages, and `auto` counts it at the first batch) or with an
-            interleaved schedule.
+            is made, to split only this process's stages, and `auto` counts it at the first batch).
     """
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
         raise ValueError(f"pipeline tensor must be an integer of at least 1, got {tensor!r}")
     if tensor > 1 and cuts == "auto":
         raise ValueError(f"pipeline tensor {tensor} splits each stage's layers before the first batch, and cuts: auto "
                          "chooses the cut at it; name the cuts, e.g. cuts: [classifier] for LeNet")
-    if tensor > 1 and schedule in SEVERAL_PER_PROCESS:
-        raise ValueError(f"pipeline tensor {tensor} runs one stage on each process: use schedule gpipe or 1f1b, not "
-                         f"{schedule}")
 
 
 def check_cuts_keep_pairs(net: nn.Module, blocks: list[tuple[str, nn.Module]], starts: list[int], plan: Plan) -> None:
