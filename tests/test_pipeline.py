@@ -305,7 +305,7 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
 
 
 @pytest.mark.parametrize("overlay, options", [
-    ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, processes, compression"),
+    ("pipeline_cpu", "cuts, n_microbatches, schedule, pipelines, tensor, processes, compression"),
     ("tensor_parallel_cpu", "replicas, processes, compression, overlap"),
 ])
 def test_an_option_of_data_parallelism_is_refused_by_the_model_split_ways(overlay, options, fast_args, capsys):

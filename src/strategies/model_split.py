@@ -100,8 +100,9 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         return self.global_rank % self.copy_size
 
     def group(self, dim: str) -> Any:
-        """The process group of this process's copy (the split's dimension) or of the processes holding the same
-        part in the other copies ("dp"); None with one copy (then the whole world is the copy)."""
+        """The process group of a dimension of the mesh (`mesh_layout`) through this process: its copy's (the
+        split's dimension), the processes holding the same part in the other copies ("dp"), or a subclass's own;
+        None without a mesh (one copy: then the whole world is the copy)."""
         return None if self._mesh is None else self._mesh[dim].get_group()
 
     def copy_mesh(self) -> DeviceMesh | None:
@@ -152,9 +153,16 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         """
         super().setup_environment()
         self._check_copies()
-        if self.copies > 1 and self._mesh is None:
-            self._mesh = init_device_mesh(self.root_device.type, (self.copies, self.copy_size),
-                                          mesh_dim_names=("dp", self._split_dim))
+        layout = self.mesh_layout()
+        if layout is not None and self._mesh is None:
+            self._mesh = init_device_mesh(self.root_device.type, layout[0], mesh_dim_names=layout[1])
+
+    def mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        """The device mesh's shape and dimension names: (copies, processes per copy) as ("dp", the split's name)
+        with several copies, None (no mesh: the whole world is the copy) with one; subclasses that split a copy
+        further add dimensions. Rank r sits at the mesh coordinates of r in row-major order (the last dimension's
+        ranks consecutive)."""
+        return ((self.copies, self.copy_size), ("dp", self._split_dim)) if self.copies > 1 else None
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -172,7 +180,7 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         self._synced = {m: (m.distributed_available_fn, m.process_group) for m in trainer.lightning_module.modules()
                         if isinstance(m, Metric)}
         for metric in self._synced:
-            if group is None:  # torchmetrics' switch for "is there a world to sync with"
+            if group is None or self.copies == 1:  # torchmetrics' switch for "is there a world to sync with"
                 metric.distributed_available_fn = _alone
             else:
                 metric.process_group = group

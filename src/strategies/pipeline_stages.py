@@ -76,15 +76,24 @@ def check_chain(net: nn.Module, blocks: list[tuple[str, nn.Module]], example: Te
     return want
 
 
-def cut_starts(blocks: list[tuple[str, nn.Module]], cuts: list[str], stages: int, per_process: int = 1) -> list[int]:
+def cut_starts(blocks: list[tuple[str, nn.Module]], cuts: list[str], stages: int, per_process: int = 1,
+               tensor: int = 1) -> list[int]:
     """The index of the first block of stages 1 .. S-1, from `cuts`: each names the block a stage begins with, or a
     `nn.Sequential` whose first block it is ("classifier" for "classifier.0").
+
+    Args:
+        tensor: Processes per stage (the pipeline's `tensor`), for the message only.
 
     Raises:
         ValueError: A cut that names no block (the message lists them), cuts out of order or at the first block,
             or a number of cuts that does not give `stages` stages (`per_process` on each process).
     """
     names = [n for n, _ in blocks]
+    if len(cuts) != stages - 1 and tensor > 1:
+        raise ValueError(f"pipeline: {len(cuts)} cut{'s' if len(cuts) != 1 else ''} make {len(cuts) + 1} stages, but "
+                         f"the {stages * tensor} processes of each pipeline are {stages} stages of tensor {tensor} "
+                         f"processes; give {stages - 1} cut{'s' if stages != 2 else ''}, or set trainer.devices x "
+                         f"trainer.num_nodes to pipelines x {len(cuts) + 1} x {tensor}")
     if len(cuts) != stages - 1:
         raise ValueError(f"pipeline: {len(cuts)} cut{'s' if len(cuts) != 1 else ''} make {len(cuts) + 1} stages, but "
                          f"there are {stages // per_process} processes (trainer.devices x trainer.num_nodes), "

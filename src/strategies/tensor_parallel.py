@@ -28,8 +28,29 @@ from src.strategies.processes import ProcessStart
 from src.strategies.tensor_plans import Split, apply_plan, check_plan, make_whole
 
 
-def _whole(value: Any) -> Any:
+def whole(value: Any) -> Any:
+    """A DTensor's shares gathered whole (a collective over its mesh); anything else as it is."""
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def distribute_like(state: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """One device's state dict as this process's: each tensor whose key `own` (the module's state dict) holds as a
+    DTensor distributed the same way (this process's share), the others as they are."""
+    return {k: distribute_tensor(v, own[k].device_mesh, own[k].placements) if isinstance(own.get(k), DTensor)
+            else v for k, v in state.items()}
+
+
+def load_optimizer_shares(optimizers: list[Any], saved_states: list[dict[str, Any]]) -> None:
+    """One device's optimizer states into optimizers over shares: each process takes the shares of its DTensor
+    parameters' state (the state numbered by position in the groups, `optimizer_state_by_position`, to find each
+    one's parameter); the other entries as they are."""
+    for optimizer, saved in zip(optimizers, saved_states):
+        saved = optimizer_state_by_position(saved)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {i: {k: distribute_tensor(v, params[i].device_mesh, params[i].placements)
+                     if isinstance(params[i], DTensor) and torch.is_tensor(v) and v.shape == params[i].shape
+                     else v for k, v in s.items()} for i, s in saved["state"].items()}
+        optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 class TensorParallelStrategy(ModelSplitStrategy):
@@ -105,34 +126,26 @@ class TensorParallelStrategy(ModelSplitStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """One device's state dict: every share gathered whole (a collective: all processes run it)."""
-        return {k: _whole(v) for k, v in self.lightning_module.state_dict().items()}
+        return {k: whole(v) for k, v in self.lightning_module.state_dict().items()}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One device's optimizer state: every share of it gathered whole."""
         state = optimizer.state_dict()
-        return {"state": {i: {k: _whole(v) for k, v in s.items()} for i, s in state["state"].items()},
+        return {"state": {i: {k: whole(v) for k, v in s.items()} for i, s in state["state"].items()},
                 "param_groups": state["param_groups"]}
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """One device's state dict into the split module: each process takes its shares."""
-        own = self.lightning_module.state_dict()
-        state = {k: distribute_tensor(v, own[k].device_mesh, own[k].placements) if isinstance(own.get(k), DTensor)
-                 else v for k, v in checkpoint["state_dict"].items()}
+        state = distribute_like(checkpoint["state_dict"], self.lightning_module.state_dict())
         self.lightning_module.load_state_dict(state, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """One device's optimizer state into the optimizer over the shares: each process takes its shares (the
         state numbered by position in the groups, `optimizer_state_by_position`, to find each one's parameter)."""
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
-            saved = optimizer_state_by_position(saved)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            state = {i: {k: distribute_tensor(v, params[i].device_mesh, params[i].placements)
-                         if isinstance(params[i], DTensor) and torch.is_tensor(v) and v.shape == params[i].shape
-                         else v for k, v in s.items()} for i, s in saved["state"].items()}
-            optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        load_optimizer_shares(self.optimizers, checkpoint["optimizer_states"])
 
 
 # `trainer.strategy: tensor_parallel` works once this module is imported

@@ -162,6 +162,8 @@ SPLIT_SIZE: dict[Callable[..., nn.Module], Callable[[nn.Module], tuple[str, int]
     dense_rowwise: lambda m: (f"the input units of {m}", m.in_features),
 }
 Plan = list[tuple[Callable[[nn.Module, DeviceMesh], nn.Module], nn.Module]]
+#: the splits whose output is each process's share of the channels or units (the next split takes the share in)
+SHARES_OUT = (ConvByOutputChannels, BatchNormByChannels, dense_colwise)
 
 
 def lenet_plan(net: nn.Module) -> Plan:
@@ -205,10 +207,14 @@ def check_plan(net: nn.Module, degree: int) -> Plan:
 Split = list[tuple[nn.Module, str, nn.Module]]
 
 
-def apply_plan(net: nn.Module, mesh: DeviceMesh) -> Split:
+def apply_plan(net: nn.Module, mesh: DeviceMesh, within: list[nn.Module] | None = None) -> Split:
     """Split `net` over `mesh` by its plan, once every split was checked (`check_plan`), so that nothing is split
     when a refusal comes: each split layer is replaced in its parent by its split module, as
     `torch.nn.SyncBatchNorm.convert_sync_batchnorm` replaces modules, and keeps none of the tensors it shares out.
+
+    Args:
+        within: Split only the plan's layers inside these modules (a pipeline stage's blocks), the others left
+            plain; None: every layer of the plan.
 
     Returns:
         What was replaced, for `make_whole`.
@@ -217,6 +223,9 @@ def apply_plan(net: nn.Module, mesh: DeviceMesh) -> Split:
         ValueError: From `check_plan`.
     """
     plan = check_plan(net, mesh.size() if mesh is not None else 1)
+    if within is not None:
+        inside = {id(m) for block in within for m in block.modules()}
+        plan = [(split, layer) for split, layer in plan if id(layer) in inside]
     place = {id(child): (parent, name) for parent in net.modules() for name, child in parent.named_children()}
     done: Split = []
     for split, layer in plan:
