@@ -43,6 +43,9 @@ class ParallelLayout:
         model_split: How the model is split between those processes, in words for the epoch line, e.g. "2 stages
             (features.0-features.5 | classifier.0-classifier.3), GPipe, 4 micro-batches"; None when it is not.
         split_tag: The same for run names, e.g. "gpipe-m4"; None when the model is not split.
+        mesh: The degrees (data, pipeline, tensor) of a model split between processes: `data` copies side by side,
+            each over `pipeline` processes along its stages, each stage over `tensor` processes that split its
+            layers; their product is `processes`. None for the ways that keep whole replicas.
         columns: The way's own HPARAMS columns (`src.run.hparams_table.COLUMNS`) and their values, e.g.
             (("run/pipeline_schedule", "gpipe"), ("run/micro_batches", 4), ("run/pipeline_cut", "features.3")) or
             (("run/tensor_degree", 2),); a value of None (a cut not yet chosen) leaves its cell empty.
@@ -65,6 +68,7 @@ class ParallelLayout:
     model_split: str | None = None
     split_tag: str | None = None
     columns: tuple[tuple[str, str | int | None], ...] = ()
+    mesh: tuple[int, int, int] | None = None
 
     @property
     def total_replicas(self) -> int:
@@ -98,14 +102,14 @@ class ParallelLayout:
     def words(self, threads: int | None = None) -> str:
         """The layout as the epoch line and HPARAMS name it, the same for every strategy: "1 process x 1 replica on
         cpu" (one device), "1 process x 2 replicas on cpu" (ours in one process), "2 processes x 1 replica on cpu"
-        (DDP, or ours across processes), "2 processes as 1 replica on cpu" (a model split between them); with
-        `threads`, the intra-op threads of each process too: "... on cpu (2 threads)", "... on cpu (1 thread
-        each)"."""
+        (DDP, or ours across processes), "8 processes (2 data x 2 pipeline x 2 tensor) on cpu" (a model split
+        between them, by its `mesh`); with `threads`, the intra-op threads of each process too: "... on cpu (2
+        threads)", "... on cpu (1 thread each)"."""
         p, k = self.processes, self.replicas_per_process
         text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} on {self.device_types}"
-        if self.model_parallel > 1:  # processes that hold one model between them: "2 processes as 1 replica on cpu"
-            r = self.total_replicas
-            text = f"{p} processes as {r} replica{'s' if r > 1 else ''} on {self.device_types}"
+        if self.mesh is not None:  # processes that hold one model between them
+            data, pipeline, tensor = self.mesh
+            text = f"{p} processes ({data} data x {pipeline} pipeline x {tensor} tensor) on {self.device_types}"
         if threads is None:
             return text
         return f"{text} ({threads} thread{'s' if threads > 1 else ''}{' each' if p > 1 else ''})"

@@ -286,7 +286,8 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
     with caplog.at_level(logging.INFO):
         main(["fit", *overlay, *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
-    assert "pipeline: 2 processes as 1 replica on cpu" in out and "GPipe, 4 micro-batches" in out, out
+    assert "pipeline: 2 processes (1 data x 2 pipeline x 1 tensor) on cpu" in out, out
+    assert "GPipe, 4 micro-batches" in out, out
     assert "2 stages (features.0-features.2 | features.3-classifier.3)" in out, out  # `auto`'s cut, as the docs say
     assert "test acc " in out
     run = tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0"

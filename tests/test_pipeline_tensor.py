@@ -232,8 +232,8 @@ def test_the_cli_names_the_stages_and_the_tensor_degree(tiny_data_dir, tmp_path,
               "--trainer.strategy.init_args.tensor", "2", "--trainer.strategy.init_args.cuts", "[classifier]",
               *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
-    assert ("pipeline: 4 processes as 1 replica on cpu (1 thread each), 2 stages (features.0-features.5 | "
-            "classifier.0-classifier.3), each split in 2 tensor-parallel shares, GPipe, 4 micro-batches") in out, out
+    assert ("pipeline: 4 processes (1 data x 2 pipeline x 2 tensor) on cpu (1 thread each), 2 stages "
+            "(features.0-features.5 | classifier.0-classifier.3), GPipe, 4 micro-batches") in out, out
     assert "test acc " in out
     hparams = run_row(tmp_path / "logs" / "lenet" / "pipeline-4x1-cpu-gpipe-m4-t2" / "version_0")[0]
     assert (hparams["run/tensor_degree"], hparams["run/pipeline_cut"], hparams["run/processes"]) == \

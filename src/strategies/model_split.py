@@ -24,7 +24,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from src.strategies.comm.compression import Compression, CompressionSpec
-from src.strategies.comm.gradient_exchange import GradientExchange
+from src.strategies.comm.gradient_exchange import GradientExchange, GradientViews
 from src.strategies.comm.process_allreduce import allreduce_between
 from src.strategies.compression_state import CheckpointedCompression
 from src.strategies.limits import refuse_manual_optimization
@@ -318,8 +318,8 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         between = allreduce_between("ring", self.group("dp"))
         background = self.root_device.type == "cpu"  # gloo waits on the network: beside backward, as ours does
         self.exchange = GradientExchange([[held for _, held in self._held]], "ring", 25 * 2**20, self.overlap,
-                                         between, background, self.compression, hooked=[[p for p, _ in self._held]],
-                                         prepare=self._prepare)
+                                         between, background, self.compression,
+                                         GradientViews([p for p, _ in self._held], self._prepare))
 
     def _remove_exchange(self) -> None:
         if self.exchange is not None:

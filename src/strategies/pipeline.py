@@ -168,19 +168,18 @@ class PipelineStrategy(ModelSplitStrategy):
         DataModule read it."""
         p, n = self.world_size, self.pipeline_size * self.per_process
         cut = "" if self._starts is None else f" ({' | '.join(stage_names(self._blocks, self._starts))})"
-        shares = f", each split in {self.tensor} tensor-parallel shares" if self.tensor > 1 else ""
-        words = f"{n} stages{cut}{shares}, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
+        words = f"{n} stages{cut}, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
         tag = f"{self.schedule}-m{self.n_microbatches}" + (f"-t{self.tensor}" if self.tensor > 1 else "")
         degree = (("run/tensor_degree", self.tensor),) if self.tensor > 1 else ()
-        if self.copies > 1:
-            words, tag = f"{self.copies} pipelines of {words}", f"{tag}-x{self.copies}"
+        if self.copies > 1:  # the mesh (`ParallelLayout.words`) says how many pipelines and shares
+            tag = f"{tag}-x{self.copies}"
         allreduce, compression = self.data_exchange
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               allreduce, self.process_group_backend if p > 1 else None, compression=compression,
                               model_parallel=self.copy_size, model_split=words, split_tag=tag, columns=(
                                   ("run/pipeline_schedule", self.schedule), ("run/micro_batches", self.n_microbatches),
                                   ("run/pipeline_cut", None if self._starts is None else ", ".join(self.chosen_cuts)),
-                                  *degree))
+                                  *degree), mesh=(self.copies, self.pipeline_size, self.tensor))
 
     def check_batch(self, batch: int | None) -> None:
         """Refuse a global batch of `batch` samples (None: unknown, nothing to check) whose per-pipeline share does

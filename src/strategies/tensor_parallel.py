@@ -89,14 +89,14 @@ class TensorParallelStrategy(ModelSplitStrategy):
         """P processes holding one model between them, each a share of every split layer."""
         p, shares = self.world_size, self.copy_size
         words, tag = f"split layers in {shares} shares (channels and units)", "tp"
-        if self.copies > 1:
-            words, tag = f"{self.copies} replicas, {words}", f"tp-x{self.copies}"
+        if self.copies > 1:  # the mesh (`ParallelLayout.words`) says how many replicas
+            tag = f"tp-x{self.copies}"
         devices = tuple(self.parallel_devices or [self.root_device])
         allreduce, compression = self.data_exchange
         return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices, allreduce,
                               self.process_group_backend if p > 1 else None, compression=compression,
                               model_parallel=shares, model_split=words, split_tag=tag,
-                              columns=(("run/tensor_degree", shares),))
+                              columns=(("run/tensor_degree", shares),), mesh=(self.copies, 1, shares))
 
     @override
     def check_model(self, module: "pl.LightningModule", trainer: "pl.Trainer", example: torch.Tensor | None = None,

@@ -9,6 +9,7 @@ replica's gradient norm before the exchange when asked.
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -149,8 +150,7 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
                          between: BetweenProcesses | None = None,
                          bucket_ids: Sequence[int] | None = None,
                          compression: Compression | None = None,
-                         bucket_fn: Callable[..., list[int]] | None = None,
-                         prepare: Callable[[list[int]], None] | None = None) -> list[int]:
+                         bucket_fn: Callable[..., list[int]] | None = None) -> list[int]:
     """Allreduce (sum) the `.grad` of K aligned parameter lists, bucket by bucket.
 
     In one process, a parameter whose gradient is None on every replica is left alone (as on one device);
@@ -171,7 +171,6 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and returns
             the bytes each device sent (ZeRO's reduce-scatter, `src.strategies.partitions.Partitions`). Every parameter
             that requires a gradient then takes part, and one without a `.grad` is left for it to read as zeros.
-        prepare: Called with a bucket's parameter indices right before it is exchanged (see `GradientExchange`).
 
     Returns:
         Bytes sent by each device during this allreduce, summed over buckets.
@@ -196,8 +195,6 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
         buckets = [[i for i in bucket if i in alive] for bucket in buckets]
     for b, bucket in zip(bucket_ids or range(len(buckets)), buckets):
         if bucket:
-            if prepare is not None:
-                prepare(bucket)
             members = [[ps[i] for i in bucket] for ps in replica_params]
             if bucket_fn is None:
                 counts = allreduce_bucket_(members, algorithm, between, b, compression, bucket)
@@ -206,6 +203,23 @@ def allreduce_gradients_(replica_params: Sequence[Sequence[Tensor]], algorithm: 
             for dev, n in enumerate(counts):
                 sent[dev] += n
     return sent
+
+
+@dataclass(frozen=True)
+class GradientViews:
+    """What an exchange needs when the tensors it sums are plain views of other parameters' gradients (a split
+    model's DTensor shares, `src.strategies.model_split`).
+
+    Args:
+        params: Those parameters, aligned with the exchanged tensors: with `overlap`, their gradients' arrival marks
+            a bucket ready.
+        prepare: Called with a bucket's parameter indices right before the bucket is exchanged, during or after
+            backward: it makes their `.grad` what the exchange reads (the views of the parameters' gradients,
+            scaled by the copy's share of the global batch).
+    """
+
+    params: list[nn.Parameter]
+    prepare: Callable[[list[int]], None]
 
 
 class GradientExchange:
@@ -227,16 +241,12 @@ class GradientExchange:
         compression: With `between`, how each bucket travels between the processes
             (`src.strategies.comm.compression`); None: exactly. It keeps its state (step count, PowerSGD's Q's and
             error memory) from exchange to exchange.
-        bucket_fn: Instead of the allreduce, `bucket_fn(members, index, param_ids)` exchanges each bucket and
-            returns the bytes each device sent: ZeRO stage 2's reduce-scatter
-            (`src.strategies.partitions.Partitions.reduce_scatter_bucket_`, which the partitioned optimizer built
-            over this exchange's `buckets` sets as `bucket_fn` when attached to it). None: the allreduce.
-        hooked: With `overlap`, the tensors whose gradients' arrival marks a bucket ready (aligned with
-            `replica_params`; default: those themselves): a split model's own parameters (DTensor shares), whose
-            plain local views the exchange reads (`src.strategies.model_split`).
-        prepare: Called with a bucket's parameter indices right before the bucket is exchanged, during or after
-            backward: it makes their `.grad` what the exchange reads (a split model sets its views of the
-            parameters' gradients there, scaled by its copy's share of the global batch). None: nothing to do.
+        views: The exchanged tensors as views of other parameters' gradients (`GradientViews`), one replica; None:
+            the tensors are the parameters themselves.
+
+    `bucket_fn`, set by ZeRO stage 2's partitioned optimizer when attached (`src.strategies.partitions.Partitions.
+    reduce_scatter_bucket_` over this exchange's `buckets`), exchanges each bucket instead of the allreduce:
+    `bucket_fn(members, index, param_ids)` returns the bytes each device sent. None: the allreduce.
 
     Raises:
         ValueError: An unknown algorithm.
@@ -244,15 +254,14 @@ class GradientExchange:
 
     def __init__(self, replica_params: list[list[nn.Parameter]], algorithm: str, cap_bytes: int,
                  overlap: bool, between: BetweenProcesses | None = None, background: bool = False,
-                 compression: Compression | None = None, bucket_fn: Callable[..., list[int]] | None = None,
-                 hooked: list[list[nn.Parameter]] | None = None,
-                 prepare: Callable[[list[int]], None] | None = None) -> None:
-        self.params, self.between, self.prepare = replica_params, between, prepare
+                 compression: Compression | None = None, views: GradientViews | None = None) -> None:
+        self.params, self.between = replica_params, between
+        self.prepare = views.prepare if views is not None else None
         self.algorithm = in_process_allreduce(algorithm)  # chosen once; the buckets' path runs it as it is
         self.compression = compression if between is not None else None
         self.buckets = bucket_indices(replica_params[0], cap_bytes)
-        self.readiness = BucketReadiness(hooked or replica_params, self.buckets, self._reduce_in_backward) if overlap \
-            else None
+        hooked = [views.params] if views is not None else replica_params
+        self.readiness = BucketReadiness(hooked, self.buckets, self._reduce_in_backward) if overlap else None
         self.bytes_sent: list[int] = []  # per device, in the last exchange
         self.bytes_uncompressed: list[int] = []  # per device, what the last exchange would have sent uncompressed
         self.grad_norms: list[float] = []  # per replica, before the last exchange, when asked for
@@ -262,7 +271,7 @@ class GradientExchange:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="bucket-exchange") if overlap and background else None
         self._handed: list[Future] = []
         self.exchanged_beside_backward = 0  # buckets the last backward handed to the exchange thread
-        self.bucket_fn = bucket_fn
+        self.bucket_fn: Callable[..., list[int]] | None = None
         self._ready: BucketReadiness | None = None  # the hooks armed for this backward, between begin and finish
         self._grad_norms = False
         self.completed = 0  # exchanges finished so far (a step that ran none after its closure still owes one)
@@ -318,6 +327,8 @@ class GradientExchange:
         """
         left = self._ready.disarm() if self._ready is not None else None
         self._finish_handed()
+        if self.prepare is not None:  # the buckets not exchanged during backward: all of them without overlap
+            self.prepare([i for b in (range(len(self.buckets)) if left is None else left) for i in self.buckets[b]])
         # `nbytes` written out: a call per parameter and replica at every step costs more than the sum
         self.gradient_bytes = [sum(g.numel() * g.element_size() for p in ps if (g := p.grad) is not None)
                                for ps in self.params]
@@ -325,11 +336,11 @@ class GradientExchange:
         if left is None:
             self.bytes_sent = allreduce_gradients_(self.params, self.algorithm, buckets=self.buckets,
                                                    between=self.between, compression=self.compression,
-                                                   bucket_fn=self.bucket_fn, prepare=self.prepare)
+                                                   bucket_fn=self.bucket_fn)
         else:
             rest = allreduce_gradients_(self.params, self.algorithm, buckets=[self.buckets[b] for b in left],
                                         between=self.between, bucket_ids=left, compression=self.compression,
-                                        bucket_fn=self.bucket_fn, prepare=self.prepare)
+                                        bucket_fn=self.bucket_fn)
             self.bytes_sent = [a + b for a, b in zip(self._sent_in_backward, rest)]
         self.bytes_uncompressed = list(self.bytes_sent)
         if self.compression is not None:  # replica 0's device sends the process's compressed sum
