@@ -205,21 +205,6 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         """The compression between the copies (None: exact, or one copy), made at train start."""
         return self._compression.active
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's load, keeping the checkpoint's compression state for the start of training."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._compression.keep_saved(checkpoint)
-        return checkpoint
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Add every process's compression state (each compresses its own part of the model: a collective, so all
-        ranks run it, `src.strategies.compression_state.gather_by_process`), then write on rank 0 as Lightning
-        does. A weights-only checkpoint gets none."""
-        self._compression.add_to(checkpoint, self.world_size)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
     def step_counters(self) -> ExchangeCounters:
         """The bytes of the last exchange between the copies."""
         return ExchangeCounters(self)

@@ -20,6 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from src.layout import default_backend
+from src.strategies.compression_state import CheckpointedCompression
 from src.run.cleanup import register as register_process_group_cleanup
 from src.run.lightning_compat import init_process_group, process_launcher, reduce_across_processes
 
@@ -61,11 +62,32 @@ class ProcessesParallelStrategy(ParallelStrategy):
         processes: How the processes start and wait for each other (`ProcessStart`).
     """
 
+    #: the gradient compression between processes over a run, set by a subclass that compresses (ours, the split
+    #: models' copies), before or after this class's `__init__`: its state travels in every full checkpoint
+    _compression: CheckpointedCompression | None = None
+
     def __init__(self, processes: ProcessStart = ProcessStart()) -> None:
         super().__init__()
         self._num_nodes = 1
         self._process_group_backend, self._timeout = processes.backend, processes.timeout
         self._start_method = processes.start_method
+
+    # ---- the compression's state in checkpoints (`src.strategies.compression_state`) ---------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load, keeping the checkpoint's compression state for the start of training."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        if self._compression is not None:
+            self._compression.keep_saved(checkpoint)
+        return checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add the compression's state (every process's: a collective, so all ranks run it), then write on rank 0 as
+        Lightning does. A weights-only checkpoint gets none."""
+        if self._compression is not None:
+            self._compression.add_to(checkpoint, self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     # ---- the world -----------------------------------------------------------------------------------
     @property
