@@ -581,8 +581,8 @@ def test_a_1x2x2_lenet_run_against_the_forecast(tmp_path):
     bound: the 4 processes share this machine's 2 cores (each forecast process has a core of its own, so the
     measured compute is about twice the forecast's), the waits of the 4 allreduces per micro-batch beyond the link's
     time and the schedule's per-micro-batch Python are not counted (tensor parallelism's row alone: 0.6-1.2), and a
-    4-process step moves with the machine's other load more than one process's (2026-12-02: 0.36 at a load average
-    of 3.7, 0.20 at 4.7). The upper bound is the firm one: what the forecast leaves out only adds time."""
+    4-process step moves with the machine's other load more than one process's (2026-12-02: 0.36 and 0.53 at a load
+    average of 3.7-4.5, 0.20 at 4.7). The upper bound is the firm one: what the forecast leaves out only adds time."""
     from argparse import Namespace
 
     from benchmarks.three_ways import VAL_SIZE, _one_core_compute, _timed_costs, data_dir, predict_row, trial
