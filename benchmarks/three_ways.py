@@ -43,6 +43,8 @@ and the TCP counters):
                      "bytes_sent_per_step": ..., "idle_fraction": ... | null}, ...],
        "step_ms": ..., "step_ratio": ..., "step_ratio_one_core": ..., "bubble": ... | null}]}
 
+A pipeline row may also give `"tensor": T`, its processes per stage (1 when absent).
+
 `batch` is the global batch: every process of a pipeline or of a tensor-parallel group sees all of it, data
 parallelism splits it. A row's `cuts` of null is the forecast's own auto cut (the strategy's `auto` balances the
 blocks' multiply-adds and may cut elsewhere: give the cut it chose).
@@ -73,6 +75,9 @@ from src.scaling.three_ways import Layout, LayoutFigures, cut_starts_of, predict
 
 warnings.filterwarnings("ignore")
 WAYS = ("one_device", "one_core", "data", "pipeline_gpipe", "pipeline_1f1b", "tensor_parallel")
+#: trials `--one` runs but `--ways` does not: a GPipe pipeline of 2 stages of 2 tensor-parallel processes each (1 x 2 x
+#: 2 on 4 processes, the cut given by --cuts), for tests/test_forecast_three_ways.py's slow check of that layout
+ONE_ONLY = ("pipeline_gpipe_t2",)
 VAL_SIZE = 1000  # images held out of the synthetic training set (not evaluated: limit_val_batches=0)
 MMAP_THRESHOLD = "65536"  # bytes: glibc maps blocks this large on their own (malloc(3), M_MMAP_THRESHOLD)
 
@@ -172,6 +177,8 @@ def strategy_for(way: str, args: argparse.Namespace) -> Any:
     if way == "tensor_parallel":
         return TensorParallelStrategy()
     cuts = json.loads(args.cuts) if args.cuts else "auto"
+    if way == "pipeline_gpipe_t2":  # cuts must be named with tensor above 1
+        return PipelineStrategy(cuts=cuts, n_microbatches=args.microbatches, schedule="gpipe", tensor=2)
     return PipelineStrategy(cuts=cuts, n_microbatches=args.microbatches, schedule=way.removeprefix("pipeline_"))
 
 
@@ -191,7 +198,8 @@ def one(args: argparse.Namespace) -> None:
         callbacks.append(StepTimeline(start_step=args.warmup, steps=args.steps - args.warmup,
                                       dirpath=os.path.join(args.report, "timeline")))
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1 if strategy is None else 2, strategy=strategy or "auto",
+    devices = 1 if strategy is None else 4 if args.one in ONE_ONLY else 2
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy or "auto",
                          max_steps=args.steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(model, FashionMNISTDataModule(args.data, batch_size=args.batch, download=False, val_size=VAL_SIZE))
@@ -360,7 +368,8 @@ def _layout(row: dict, profile: object) -> Layout:
     if way == "pipeline":
         cuts = row.get("cuts")
         starts = None if not cuts else cut_starts_of(profile, cuts)
-        return Layout("pipeline", p, 1, 0, row.get("schedule") or "gpipe", int(row.get("microbatches") or 1), starts)
+        return Layout("pipeline", p, 1, 0, row.get("schedule") or "gpipe", int(row.get("microbatches") or 1), starts,
+                      int(row.get("tensor") or 1))
     if way == "tensor_parallel":
         return Layout("tensor_parallel", p)
     raise ValueError(f"unknown way {way!r} in a measured row; known: one_device, one_core, data, pipeline, "
@@ -561,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="a JSON file to add the rows to (rows of the same model "
                         "replaced)")
     parser.add_argument("--pictures", default=None, help="a folder for the pipeline schedules' timeline pictures")
-    parser.add_argument("--one", choices=WAYS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=WAYS + ONE_ONLY, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)

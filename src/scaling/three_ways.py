@@ -30,6 +30,13 @@ the activations saved for backward at their peak, the pipeline's receive buffers
   dispatch and copies, narrower kernels' speed).
 * Copies side by side (pipelines or replicas, c of them): each takes B / c samples, and after backward the
   processes holding the same part average their gradients: one ring allreduce over c of the local gradient bytes.
+* All three (D pipelines x S processes along each x T processes per stage, `Layout.tensor`): each stage's T
+  processes split its layers by the tensor plan, no cut inside a pair of it (`cuts_inside_pairs`). A stage's
+  compute is its blocks' scaled as tensor parallelism scales a network's (its own unsplit share of the
+  multiply-adds + the split share / T, `Setting.tensor_work`'s correction where timed), plus its own allreduces
+  (the plan's exchanges in its blocks, at the micro-batch) on its critical path; each process holds its stages'
+  parameter shares and saved-tensor shares, and the activations crossing a cut whole (share j of a stage sends to
+  share j of the next).
 
 `Ways` (the options of `--ways`) and `predict_ways` / `forecast_ways` predict every layout on each device count
 and the fastest that fits a memory budget; src.scaling.forecast_files writes them.
@@ -131,6 +138,7 @@ class Layout:
         schedule: The pipeline's schedule (`SCHEDULES`).
         microbatches: The pipeline's micro-batches per batch.
         starts: The pipeline's cut: the index of the first block of each later stage.
+        tensor: The pipeline's processes per stage T, which split its layers by the tensor plan (1: none).
     """
 
     way: str
@@ -140,16 +148,25 @@ class Layout:
     schedule: str | None = None
     microbatches: int | None = None
     starts: tuple[int, ...] | None = None
+    tensor: int = 1
 
     @property
     def split(self) -> int:
         """Processes holding one copy of the model (stages' or shares' processes)."""
         return self.processes // self.copies
 
+    @property
+    def along(self) -> int:
+        """A pipeline's processes along it (its stages' processes over `tensor`)."""
+        return self.split // self.tensor
+
     def label(self) -> str:
-        """e.g. "data ZeRO-1", "pipeline 2 gpipe m4", "pipeline 2x2 1f1b m4", "tensor 2", "tensor 2x2"."""
+        """e.g. "data ZeRO-1", "pipeline 2 gpipe m4", "pipeline 2x2 1f1b m4", "pipeline 2x2x2 gpipe m4" (D pipelines x
+        S processes along each x T per stage), "tensor 2", "tensor 2x2"."""
         if self.way == "data":
             return "one device" if self.processes == 1 else f"data ZeRO-{self.zero_stage}"
+        if self.way == "pipeline" and self.tensor > 1:
+            return f"pipeline {self.copies}x{self.along}x{self.tensor} {self.schedule} m{self.microbatches}"
         size = f"{self.copies}x{self.split}" if self.copies > 1 else f"{self.split}"
         if self.way == "pipeline":
             return f"pipeline {size} {self.schedule} m{self.microbatches}"
@@ -242,7 +259,8 @@ def predict_layout(profile: NetProfile, layout: Layout, batch: int, setting: Set
     Raises:
         ValueError: Copies that do not divide the processes or the batch, micro-batches that do not divide a
             pipeline's batch, more stages than blocks, a cut of the wrong length, shares that do not divide a split
-            layer, an unknown way or schedule.
+            layer, a pipeline's cut inside a pair of the tensor plan with `tensor` above 1, an unknown way or
+            schedule.
     """
     if layout.processes < 1 or layout.copies < 1 or layout.processes % layout.copies:
         raise ValueError(f"{layout.copies} copies do not divide {layout.processes} processes")
@@ -297,12 +315,18 @@ def check_pipeline(profile: NetProfile, layout: Layout, batch: int) -> int:
     Raises:
         ValueError: Micro-batches below 1 or not dividing the batch each pipeline gets, an interleaved schedule's
             rounds that the micro-batches do not fill (torch's rule), more stages than blocks, or a cut of the wrong
-            length.
+            length; with `tensor` above 1, a T that does not divide the pipeline's processes or a split layer
+            (`check_shares`), or a cut inside a pair of the tensor plan (`check_pairs_kept`).
     """
     v = STAGES_PER_PROCESS.get(layout.schedule)
     if v is None:
         raise ValueError(f"unknown pipeline schedule {layout.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    m, p, n = layout.microbatches or 0, layout.split, len(profile.blocks)
+    if layout.tensor < 1 or layout.split % layout.tensor:
+        raise ValueError(f"pipeline: {layout.tensor} processes per stage do not divide the {layout.split} of each "
+                         "pipeline")
+    if layout.tensor > 1:
+        check_shares(profile, layout.tensor)
+    m, p, n = layout.microbatches or 0, layout.along, len(profile.blocks)
     each = batch // layout.copies
     if m < 1 or each % m:
         raise ValueError(f"pipeline: {m} micro-batches do not divide the batch of {each} samples each pipeline gets; "
@@ -317,37 +341,112 @@ def check_pipeline(profile: NetProfile, layout: Layout, batch: int) -> int:
     if layout.starts is not None and len(layout.starts) != stages - 1:
         raise ValueError(f"pipeline: {len(layout.starts)} cut(s) make {len(layout.starts) + 1} stages, but "
                          f"{p} processes under {layout.schedule} run {stages}; give {stages - 1} cut(s) or auto")
+    if layout.tensor > 1 and layout.starts is not None:
+        check_pairs_kept(profile, layout.starts)
     return stages
 
 
+#: the plan's kinds whose output is each process's share of the channels or units (`tensor_plans.SHARES_OUT`)
+_SHARES_OUT = ("out", "bn", "colwise")
+
+
+def _block_of(profile: NetProfile, layer: str) -> int:
+    """The index of the block that holds the layer named `layer`."""
+    return next(i for i, b in enumerate(profile.blocks) if layer == b.name or layer.startswith(b.name + "."))
+
+
+def cuts_inside_pairs(profile: NetProfile) -> dict[int, tuple[str, str]]:
+    """The cuts that fall inside a pair of the tensor plan, as the pipeline strategy refuses them with tensor above 1
+    (`src.strategies.pipeline.check_cuts_keep_pairs`): after a split layer whose output is each process's share,
+    before the split layer that takes the share in.
+
+    Args:
+        profile: The network.
+
+    Returns:
+        {index of the block a later stage would begin with: (the pair's first layer, its second)}.
+    """
+    split = [(_block_of(profile, layer), layer, kind) for layer, kind in profile.split_layers.items()]
+    inside = {}
+    for k in range(1, len(profile.blocks)):
+        before = [(layer, kind) for i, layer, kind in split if i < k]
+        after = [layer for i, layer, _ in split if i >= k]
+        if before and before[-1][1] in _SHARES_OUT and after:
+            inside[k] = (before[-1][0], after[0])
+    return inside
+
+
+def check_pairs_kept(profile: NetProfile, starts: tuple[int, ...]) -> None:
+    """Raise when a cut of `starts` falls inside a pair of the tensor plan (`cuts_inside_pairs`).
+
+    Raises:
+        ValueError: The first such cut, naming the pair and the blocks a stage may begin with.
+    """
+    inside = cuts_inside_pairs(profile)
+    for k in starts:
+        if k in inside:
+            first, second = inside[k]
+            kept = [b.name for i, b in enumerate(profile.blocks) if i and i not in inside]
+            raise ValueError(f"pipeline cut {profile.blocks[k].name!r} falls inside the tensor plan's pair {first} | "
+                             f"{second}, where each process holds a share; with tensor above 1 a stage may begin "
+                             f"at {', '.join(kept) or 'no block'}")
+
+
 def _stage_times(profile: NetProfile, layout: Layout, starts: tuple[int, ...], batch: int,
-                 setting: Setting) -> tuple[list[float], list[float]]:
-    """(each stage's compute seconds per micro-batch, each boundary's one-way transfer seconds per micro-batch)."""
-    m, p = layout.microbatches, layout.split
+                 setting: Setting) -> tuple[list[float], list[float], list[float]]:
+    """(each stage's compute seconds per micro-batch, each boundary's one-way transfer seconds per micro-batch, each
+    stage's tensor-parallel allreduce seconds per micro-batch: 0 with `tensor` 1)."""
+    m, p, t = layout.microbatches, layout.along, layout.tensor
     micro = batch / layout.copies / m
     bounds = [0, *starts, len(profile.blocks)]
     slow = setting.slowdown(layout.processes)
     costs = setting.costs(profile)
     per_cost = setting.compute.seconds_per_image / sum(costs)
-    times = [micro * per_cost * sum(costs[a:e]) * slow for a, e in zip(bounds, bounds[1:])]
+    times = [micro * per_cost * sum(costs[a:e]) * slow * _stage_work(profile, a, e, t, setting)
+             for a, e in zip(bounds, bounds[1:])]
     scale = _scale(profile, setting)
     transfers = []
     for s, end in enumerate(bounds[1:-1]):
-        link = setting.link(s % p, (s + 1) % p)
+        link = setting.link(s % p * t, (s + 1) % p * t)  # share j of one stage sends to share j of the next
         transfers.append(link.alpha + profile.blocks[end - 1].output * micro * scale * link.beta)
-    return times, transfers
+    allreduces = [sum(setting.allreduce(t, n) for n in _stage_exchanges(profile, a, e, micro * scale)) if t > 1
+                  else 0.0 for a, e in zip(bounds, bounds[1:])]
+    return times, transfers, allreduces
 
 
-def _window(layout: Layout, times: list[float], transfers: list[float]) -> tuple[float, list[float]]:
-    """(the schedule's window in seconds, each process's compute in it)."""
-    m, p = layout.microbatches, layout.split
+def _stage_work(profile: NetProfile, first: int, end: int, shares: int, setting: Setting) -> float:
+    """A stage's compute on one of `shares` processes over its compute whole, as tensor parallelism scales a
+    network's: its blocks' unsplit share of the multiply-adds + the split share / shares, times what a share's timed
+    step (`Setting.tensor_work`) adds to the whole network's multiply-adds figure; 1 for one process."""
+    if shares == 1:
+        return 1.0
+    blocks = profile.blocks[first:end]
+    macs = sum(b.macs for b in blocks)
+    split = sum(b.split_macs for b in blocks) / macs if macs else 0.0
+    whole = sum(b.split_macs for b in profile.blocks) / profile.macs
+    timed = dict(setting.tensor_work).get(shares)
+    work = (1 - split) + split / shares
+    return work if timed is None else work * timed / ((1 - whole) + whole / shares)
+
+
+def _stage_exchanges(profile: NetProfile, first: int, end: int, samples: float) -> list[float]:
+    """Bytes of each tensor-parallel allreduce of blocks first..end-1 at `samples` samples (each scaled already)."""
+    return [x.per_sample * samples for x in profile.exchanges if first <= _block_of(profile, x.layer) < end]
+
+
+def _window(layout: Layout, times: list[float], transfers: list[float],
+            allreduces: list[float] | None = None) -> tuple[float, list[float]]:
+    """(the schedule's window in seconds, each process's compute in it); a stage's tensor-parallel allreduces are on
+    its critical path beside its compute."""
+    m, p = layout.microbatches, layout.along
     v = STAGES_PER_PROCESS[layout.schedule]
     last = len(times) - 1
-    busy = [t + 2 * (transfers[s - 1] if s > 0 else 0) + 2 * (transfers[s] if s < last else 0)
-            for s, t in enumerate(times)]
+    work = [t + a for t, a in zip(times, allreduces or [0.0] * len(times))]
+    busy = [w + 2 * (transfers[s - 1] if s > 0 else 0) + 2 * (transfers[s] if s < last else 0)
+            for s, w in enumerate(work)]
     compute = [m * sum(times[s] for s in range(r, len(times), p)) for r in range(p)]
     if v == 1:
-        return sum(times) + 2 * sum(transfers) + (m - 1) * max(busy), compute
+        return sum(work) + 2 * sum(transfers) + (m - 1) * max(busy), compute
     per_process = [sum(busy[s] for s in range(r, len(times), p)) for r in range(p)]
     return (m + (p - 1) / v) * max(per_process), compute
 
@@ -366,56 +465,82 @@ def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Settin
     Returns:
         The index of the first block of each stage after the first.
 
+    With `tensor` above 1 only cuts that keep the tensor plan's pairs whole are tried (`cuts_inside_pairs`).
+
     Raises:
-        ValueError: As `check_pipeline`.
+        ValueError: As `check_pipeline`; with `tensor` above 1, too few cuts outside the plan's pairs for the
+            stages, or a balanced cut inside a pair.
     """
     stages, n = check_pipeline(profile, layout, batch), len(profile.blocks)
-    if math.comb(n - 1, stages - 1) > _SEARCHED_CUTS:
+    inside = cuts_inside_pairs(profile) if layout.tensor > 1 else {}
+    allowed = [k for k in range(1, n) if k not in inside]
+    if len(allowed) < stages - 1:
+        raise ValueError(f"pipeline: {stages} stages need {stages - 1} cuts, and {profile.net_name} has "
+                         f"{len(allowed)} outside the tensor plan's pairs (a stage may begin at "
+                         f"{', '.join(profile.blocks[k].name for k in allowed) or 'no block'}); use fewer stages")
+    if math.comb(len(allowed), stages - 1) > _SEARCHED_CUTS:
         from src.strategies.pipeline_stages import balanced_starts
 
-        return tuple(balanced_starts(list(setting.costs(profile)), stages, [b.output for b in profile.blocks]))
+        starts = tuple(balanced_starts(list(setting.costs(profile)), stages, [b.output for b in profile.blocks]))
+        if inside:
+            check_pairs_kept(profile, starts)
+        return starts
 
     def window(starts: tuple[int, ...]) -> float:
         return _window(layout, *_stage_times(profile, layout, starts, batch, setting))[0]
 
-    return min(combinations(range(1, n), stages - 1), key=window)
+    return min(combinations(allowed, stages - 1), key=window)
 
 
 def _pipeline(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> LayoutFigures:
-    stages, p, m = check_pipeline(profile, layout, batch), layout.split, layout.microbatches
+    stages, p, m, t = check_pipeline(profile, layout, batch), layout.along, layout.microbatches, layout.tensor
     starts = layout.starts if layout.starts is not None else best_starts(profile, layout, batch, setting)
-    times, transfers = _stage_times(profile, layout, starts, batch, setting)
-    window, compute = _window(layout, times, transfers)
+    times, transfers, allreduces = _stage_times(profile, layout, starts, batch, setting)
+    window, compute = _window(layout, times, transfers, allreduces)
     each, scale, s = batch // layout.copies, _scale(profile, setting), setting.sizes
-    micro = each / m
     bounds = [0, *starts, len(profile.blocks)]
-    held = [saved_bytes(profile, stage_saved(profile, a, e, i == stages - 1), micro) * scale
-            + (profile.blocks[e - 1].output * micro * scale if i < stages - 1 else 0.0)
-            for i, (a, e) in enumerate(zip(bounds, bounds[1:]))]
-    into = [0.0] + [profile.blocks[e - 1].output * micro * scale for e in bounds[1:-1]]  # each stage's input
-    out = into[1:] + [0.0]
+    held, into, out, shared = _stage_bytes(profile, layout, bounds, each / m, scale)
     last_rank = (stages - 1) % p
     logits = profile.logits * each * scale
-    broadcast = setting.link(last_rank, (last_rank + 1) % p)
+    broadcast = setting.link(last_rank * t, (last_rank + 1) % p * t)
     broadcast_s = broadcast.alpha + logits * broadcast.beta if p > 1 else 0.0
     ranks, slowest_copy = [], 0.0
     for r in range(p):
         local = list(range(r, stages, p))
-        elements = sum(pa.elements for i in local for b in profile.blocks[bounds[i]:bounds[i + 1]] for pa in b.params)
+        elements = sum(local_elements(pa, t) for i in local for b in profile.blocks[bounds[i]:bounds[i + 1]]
+                       for pa in b.params)
         copy_s, copy_sent = _copies_allreduce(layout, s.grads * elements, setting)
         slowest_copy = max(slowest_copy, copy_s)
         peak = sum(held[local[k]] for k in in_flight(layout.schedule, r, p, m))
         sent = m * sum(out[i] + into[i] for i in local) + (logits * (p - 1) if r == last_rank else 0.0) + copy_sent
+        if t > 1:  # the ring allreduces of its stages' splits, each sending 2(T-1)/T of its bytes
+            sent += m * 2 * (t - 1) / t * sum(shared[i] for i in local)
         ranks.append(RankFigures(r, s.params * elements, s.grads * elements, s.optimizer * elements, peak,
                                  m * sum(out[i] + into[i] for i in local), sent, 1 - compute[r] / window))
-    ranks = [replace(f, rank=c * p + f.rank) for c in range(layout.copies) for f in ranks]
+    ranks = [replace(f, rank=c * layout.split + f.rank * t + j) for c in range(layout.copies) for f in ranks
+             for j in range(t)]
     step = setting.compute.overhead_s + window + broadcast_s + slowest_copy
     names = profile.names
     words = tuple(names[a] if e - a == 1 else f"{names[a]}-{names[e - 1]}" for a, e in zip(bounds, bounds[1:]))
     v = STAGES_PER_PROCESS[layout.schedule]
-    return LayoutFigures(Layout(layout.way, layout.processes, layout.copies, 0, layout.schedule, m, tuple(starts)),
+    return LayoutFigures(replace(layout, zero_stage=0, starts=tuple(starts)),
                          batch, tuple(ranks), setting.compute.overhead_s + max(compute),
                          window - max(compute) + broadcast_s + slowest_copy, step, bubble_fraction(p, m, v), words)
+
+
+def _stage_bytes(profile: NetProfile, layout: Layout, bounds: list[int], micro: float,
+                 scale: float) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per stage, bytes per micro-batch of `micro` samples on one of its `tensor` processes (activations at `scale`
+    times the profile's bytes): (what it holds from forward to backward: its saved tensors, the split ones' shares,
+    and the output it sent, whole; its input received, whole; its output sent; its tensor-parallel allreduces'
+    tensors)."""
+    stages, t = len(bounds) - 1, layout.tensor
+    held = [saved_bytes(profile, stage_saved(profile, a, e, i == stages - 1), micro, t) * scale
+            + (profile.blocks[e - 1].output * micro * scale if i < stages - 1 else 0.0)
+            for i, (a, e) in enumerate(zip(bounds, bounds[1:]))]
+    into = [0.0] + [profile.blocks[e - 1].output * micro * scale for e in bounds[1:-1]]  # each stage's input
+    shared = [sum(_stage_exchanges(profile, a, e, micro * scale)) for a, e in zip(bounds, bounds[1:])]
+    return held, into, into[1:] + [0.0], shared
 
 
 def _tensor(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> LayoutFigures:
@@ -526,7 +651,8 @@ def cut_starts_of(profile: NetProfile, cuts: list[str]) -> tuple[int, ...]:
 def _layouts(ways: Ways, devices: int, profile: NetProfile) -> list[Layout]:
     """Every layout of `ways` on `devices` devices: one device alone; data parallelism at each ZeRO stage; one
     pipeline of all the devices per schedule and pipelines side by side; the shares of all the devices and replicas
-    side by side."""
+    side by side; with both pipeline and tensor, every D pipelines x S processes along each x T processes per stage
+    of the devices with S >= 2 and T >= 2, per schedule."""
     if devices == 1:
         return [Layout("data", 1)]
     chosen, m = ways.chosen(), ways.microbatches
@@ -538,6 +664,9 @@ def _layouts(ways: Ways, devices: int, profile: NetProfile) -> list[Layout]:
         layouts += [Layout("pipeline", devices, c, 0, s, m, starts) for c in copies for s in ways.schedules]
     if "tensor_parallel" in chosen:
         layouts += [Layout("tensor_parallel", devices, c) for c in copies]
+    if "pipeline" in chosen and "tensor_parallel" in chosen:
+        layouts += [Layout("pipeline", devices, c, 0, s, m, starts, t) for c in copies
+                    for t in range(2, devices // c // 2 + 1) if devices // c % t == 0 for s in ways.schedules]
     return layouts
 
 
