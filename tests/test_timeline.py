@@ -464,6 +464,24 @@ def test_a_pipeline_stage_idles_for_what_its_compute_does_not_cover():
         median_idle([[step]])
 
 
+def test_each_rank_of_a_stage_gets_a_lane_of_its_own_spans():
+    """Two ranks hold stage 0 (copies side by side, or tensor-parallel shares): each lane draws that rank's bars only,
+    2 bars each at its own times, not the other rank's on top of them."""
+    from src.timeline.pipeline_picture import SCHEDULE, draw
+
+    def rank(offset: float, tid: int) -> list[Span]:
+        return [Span(SCHEDULE, offset, offset + 100, tid, "user_annotation"),
+                Span("dp/stage 0/forward 0", offset, offset + 10, tid, "user_annotation"),
+                Span("dp/stage 0/backward 0", offset + 50, offset + 80, tid, "user_annotation")]
+
+    fig = draw([rank(0, 1), rank(7, 2)], "two ranks of stage 0", first=0, count=1)
+    lanes = {}
+    for bars in fig.axes[0].collections:  # one broken_barh per bar: its start (ms) and its lane's height
+        box = bars.get_paths()[0].get_extents()
+        lanes.setdefault(round(box.y0), []).append(round(box.x0 * 1000))
+    assert sorted(lanes.values()) == [[0, 50], [7, 57]], lanes
+
+
 @pytest.mark.slow  # starts 2 processes
 @pytest.mark.parametrize("schedule, stage0, stage1", [
     ("gpipe", "F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"),

@@ -102,8 +102,8 @@ def draw(processes: list[list[Span]], title: str, first: int = 1, count: int = 2
     points_per_ms = 72 * 12 * (0.98 - 0.14) / ((hi - lo) / 1000)
     for row, (stage, rank) in enumerate(stages):
         y = len(stages) - 1 - row
-        for span, (s, what, micro), _ in work:
-            if s != stage:
+        for span, (s, what, micro), r in work:
+            if (s, r) != (stage, rank):  # its own lane: the ranks of one stage (copies, shares) each have one
                 continue
             start, width = (span.start - lo) / 1000, (span.end - span.start) / 1000
             ax.broken_barh([(start, width)], (y + 0.15, 0.7), color=COLOURS[what], edgecolor="white", linewidth=0.5)
