@@ -298,16 +298,16 @@ def _us_per_call(fn: Callable[[], object], calls: int = 2000, repeats: int = 5) 
     return best * 1e6
 
 
-def _dispatch_us(extra: int) -> float:
+def _dispatch_us(extra: int, profiler: pl.profilers.Profiler | None = None) -> float:
     """µs per step that Lightning's callback dispatch spends on `extra` callbacks with no per-step hook of their own
-    (each of the six per-step hooks is called on each, as Lightning calls every hook on every callback), under the
-    app's default profiler (`NoProfiler`)."""
+    (each of the six per-step hooks is called on each, as Lightning calls every hook on every callback), under
+    `profiler` (default: the app's, `NoProfiler`; Lightning's own default is `PassThroughProfiler()`)."""
     from lightning.pytorch.trainer import call
 
     from src.run.lightning_compat import NoProfiler
 
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, profiler=NoProfiler())
+                         enable_model_summary=False, profiler=profiler or NoProfiler())
     module = pl.LightningModule()
     trainer.strategy._lightning_module, module.trainer = module, trainer  # a module to dispatch to, as in a fit
 

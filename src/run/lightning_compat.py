@@ -306,8 +306,9 @@ class NoProfiler(PassThroughProfiler):
     in the app's step, 84 of them the six per-step hooks of its 14 callbacks) in `with trainer.profiler.profile(name)`,
     and `PassThroughProfiler.profile` enters a generator-based context manager (`contextlib.contextmanager`) each
     time. This one hands back one shared `contextlib.nullcontext`, so what a step computes is unchanged. On a 2-core
-    Intel Xeon at one thread the dispatch of those 84 hooks took 76 instead of 141 µs a step (benchmarks/README.md,
-    "Host work of a step"). A profiler of Lightning's (`--trainer.profiler simple`, `advanced`, `pytorch`) replaces
+    Intel Xeon at one thread, 13 callbacks beyond the first cost 45 instead of 96-103 µs of dispatch a step
+    (`benchmarks.host_work._dispatch_us(13)` under each profiler; benchmarks/README.md, "Host work of a step").
+    A profiler of Lightning's (`--trainer.profiler simple`, `advanced`, `pytorch`) replaces
     it as before.
     """
 

@@ -17,8 +17,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from typing_extensions import override
@@ -302,6 +302,7 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
                 self._held.append((p, local.detach().requires_grad_(True)))
         between = allreduce_between("ring", self.group("dp"))
         background = self.root_device.type == "cpu"  # gloo waits on the network: beside backward, as ours does
+        # DDP's default bucket of 25 MiB, as ours' `bucket_cap_mb` default
         self.exchange = GradientExchange([[held for _, held in self._held]], "ring", 25 * 2**20, self.overlap,
                                          between, background, self.compression,
                                          GradientViews([p for p, _ in self._held], self._prepare))
