@@ -27,7 +27,11 @@ from src.strategies.comm.compression import Compression, CompressionSpec
 from src.strategies.comm.gradient_exchange import GradientExchange, GradientViews
 from src.strategies.comm.process_allreduce import allreduce_between
 from src.strategies.compression_state import CheckpointedCompression
+from src.strategies.comm.process_allreduce import ProcessPartition
 from src.strategies.limits import refuse_manual_optimization
+from src.strategies.partitioned_optimizer import PartitionedOptimizer
+from src.strategies.partitions import Partitions
+from src.strategies.zero import check_stage
 from src.strategies.measures import ExchangeCounters
 from src.strategies.process_sync import count_global_batch, global_batch_claim
 from src.strategies.processes import ProcessesParallelStrategy, ProcessStart
@@ -51,23 +55,32 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
         overlap: Exchange each bucket between the copies during backward, as soon as its gradients are ready (on a
             thread of its own beside backward on CPUs), as under `split_allreduce`; only with several copies.
 
+        zero_stage: ZeRO over the copies (`src.strategies.zero`): 0, every process holds its part's whole optimizer
+            state; 1, each process of a data group keeps its partition's state only; 2, its partition of the reduced
+            gradient too (the exchange's reduce-scatter). Needs several copies and no compression; the first step
+            runs whole, and the optimizer is partitioned after it (the pipeline frees the other stages inside it).
+
     Raises:
-        ValueError: Fewer than one copy, or a compression or overlap with one copy (there is nothing to exchange).
+        ValueError: Fewer than one copy, a compression, overlap or zero_stage with one copy (there is nothing to
+            exchange), or a zero_stage other than 0, 1, 2.
     """
 
     #: how messages name the strategy, e.g. "the pipeline strategy"
     way = "this strategy"
 
     def __init__(self, copies: int, split: str, copies_name: str, processes: ProcessStart,
-                 compression: CompressionSpec = CompressionSpec(), overlap: bool = False) -> None:
+                 compression: CompressionSpec = CompressionSpec(), overlap: bool = False, zero_stage: int = 0) -> None:
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise ValueError(f"{copies_name} must be an integer of at least 1, got {copies!r}")
-        for option, given in ((f"compression {compression.kind}", compression.kind != "none"), ("overlap", overlap)):
+        check_stage(zero_stage, "ring", compression.kind)
+        for option, given in ((f"compression {compression.kind}", compression.kind != "none"), ("overlap", overlap),
+                              (f"zero_stage {zero_stage}", zero_stage != 0)):
             if given and copies == 1:
                 raise ValueError(f"{option} acts on the gradients exchanged between copies of the split model, and "
                                  f"there is one: set {copies_name} to 2 or more, or leave {option.split()[0]} out")
         super().__init__(processes)
-        self.overlap = overlap
+        self.overlap, self.zero_stage = overlap, zero_stage
+        self._partitioned: PartitionedOptimizer | None = None  # under zero_stage, from the end of a fit's first step
         self._accumulating = False  # inside Lightning's `block_backward_sync`: a micro-batch that only accumulates
         self._compression = CheckpointedCompression(compression, by_process=True)
         self.copies, self._split_dim, self._copies_name = copies, split, copies_name
@@ -240,7 +253,37 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
             out = closure()
             self._average_over_copies()
             return out
-        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        if not self.zero_stage:
+            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        out = super().optimizer_step(self._partitioned or optimizer, closure_then_average, model, **kwargs)
+        for p, _ in self._held:  # the partitions read and drop the exchange's gradients, not the parameters' own
+            p.grad = None
+        if self._partitioned is None:
+            self._partition()
+        return out
+
+    def _partition(self) -> None:
+        """ZeRO over the copies: the user's optimizer (its state after the first step, whole) partitioned over this
+        process's data group by the exchange's buckets, each process of the group keeping its partition's state
+        (`Partitions`, as under `split_allreduce` with one replica a process); at stage 2 the exchange's buckets are
+        reduce-scattered into the partitions."""
+        source = self.optimizers[0]
+        for entry in source.state.values():  # the partitions slice a DTensor share's state through its local tensor
+            entry.update({k: v.to_local() for k, v in entry.items() if isinstance(v, DTensor)})
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        params = [p for p, _ in self._held]
+        partitions = Partitions(source, [[held for _, held in self._held]], self.exchange.buckets, self.zero_stage,
+                                ProcessPartition("ring", self.group("dp")), [names[id(p)] for p in params],
+                                keys=params)
+        self._partitioned = PartitionedOptimizer(partitions)
+        self.optimizers = [self._partitioned]
+        self._partitioned.attach(self.exchange)
+
+    def model_state_bytes(self) -> list[dict[str, int]]:
+        """Under zero_stage, what this process holds of its part (`Partitions.held_bytes`: its parameters, its
+        gradients at their peak, its partition's optimizer state); empty before the first step's end, or at
+        zero_stage 0."""
+        return self._partitioned.held_bytes() if self._partitioned is not None else []
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -310,7 +353,9 @@ class ModelSplitStrategy(ProcessesParallelStrategy):
     def _remove_exchange(self) -> None:
         if self.exchange is not None:
             self.exchange.remove()
-        self.exchange, self._held = None, []
+        if self._partitioned is not None:  # the user's optimizer whole again, as one device leaves it
+            self.optimizers = [self._partitioned.release()]
+        self.exchange, self._held, self._partitioned = None, [], None
 
     # ---- one device's model at the end of each run ------------------------------------------------------------
     def make_whole(self) -> None:

@@ -129,6 +129,9 @@ class Partitions:
             k's partition (N = P x K partitions in all). None: one process.
         names: Replica 0's parameter names, for `FreedGradient`'s message.
         hook: Returns the Lightning hook running now, for the same.
+        keys: What the source's param groups hold for each parameter of replica 0, where that is not the parameter
+            itself (a model-split strategy's DTensor parameters, whose local tensors are partitioned); default: the
+            parameters.
 
     Raises:
         RuntimeError: From `check_partitionable`, or a parameter that is neither contiguous nor channels_last.
@@ -136,13 +139,13 @@ class Partitions:
 
     def __init__(self, source: Optimizer, replica_params: list[list[nn.Parameter]], buckets: list[list[int]],
                  stage: int, processes: ProcessPartition | None = None, names: Sequence[str] = (),
-                 hook: Callable[[], str | None] = lambda: None) -> None:
+                 hook: Callable[[], str | None] = lambda: None, keys: Sequence[Tensor] = ()) -> None:
         check_partitionable(source)
         self.source, self.params, self.stage, self.processes = source, replica_params, stage, processes
         self._names, self._hook = list(names) or [f"parameter {i}" for i in range(len(replica_params[0]))], hook
         between = processes.owned if processes is not None else None
         self.k = len(replica_params)
-        self._index = {id(p): i for i, p in enumerate(replica_params[0])}
+        self._index = {id(p): i for i, p in enumerate(keys or replica_params[0])}
         self.buckets = [list(b) for b in buckets if b]
         self._bucket_of = {i: n for n, b in enumerate(self.buckets) for i in b}
         self.segments = [[owned_segments(b, [replica_params[0][i].numel() for i in b], r, self.k, between)

@@ -76,6 +76,8 @@ class PipelineStrategy(ModelSplitStrategy):
         compression: How the gradients travel between the pipelines (`kind` "none", "bf16" or "powersgd" with its
             settings, `src.strategies.comm.compression.CompressionSpec`, as under split_allreduce); with
             `pipelines` of 2 or more only.
+        zero_stage: 0, 1 or 2: ZeRO over the pipelines (each stage's parameters partitioned among the processes
+            that hold that stage in the other pipelines, `ModelSplitStrategy`); with `pipelines` of 2 or more only.
 
     Raises:
         ValueError: At construction, an unknown schedule, fewer than one micro-batch, pipeline or process per
@@ -95,14 +97,14 @@ class PipelineStrategy(ModelSplitStrategy):
     def __init__(self, cuts: list[str] | Literal["auto"] = "auto", n_microbatches: int = 4,
                  schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "gpipe",
                  pipelines: int = 1, tensor: int = 1, processes: ProcessStart = ProcessStart(),
-                 compression: CompressionSpec = CompressionSpec()) -> None:
+                 compression: CompressionSpec = CompressionSpec(), zero_stage: int = 0) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is not one this strategy runs; choose one of "
                              f"{', '.join(SCHEDULES)}")
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"pipeline n_microbatches must be an integer of at least 1, got {n_microbatches!r}")
         check_tensor_option(tensor, cuts)
-        super().__init__(pipelines, "pp", "pipelines", processes, compression)
+        super().__init__(pipelines, "pp", "pipelines", processes, compression, zero_stage=zero_stage)
         self.tensor = tensor
         self._split: Split = []  # this process's stage's layers the tensor plan replaced, while split
         self.cuts, self.n_microbatches, self.schedule = cuts, n_microbatches, schedule

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
@@ -80,8 +80,8 @@ class TensorParallelStrategy(ModelSplitStrategy):
     way = "tensor parallelism"
 
     def __init__(self, replicas: int = 1, processes: ProcessStart = ProcessStart(),
-                 compression: CompressionSpec = CompressionSpec(), overlap: bool = False) -> None:
-        super().__init__(replicas, "tp", "replicas", processes, compression, overlap)
+                 compression: CompressionSpec = CompressionSpec(), overlap: bool = False, zero_stage: int = 0) -> None:
+        super().__init__(replicas, "tp", "replicas", processes, compression, overlap, zero_stage)
         self._tp_mesh: DeviceMesh | None = None  # the mesh of this process's copy
         self._split: Split = []  # the layers the plan replaced, while split (`tensor_plans.apply_plan`)
 
@@ -130,9 +130,11 @@ class TensorParallelStrategy(ModelSplitStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """One device's optimizer state: every share of it gathered whole."""
+        """One device's optimizer state: every share of it gathered whole (under zero_stage, each share's state comes
+        as its local tensor, made the parameter's DTensor again first)."""
         state = optimizer.state_dict()
-        return {"state": {i: {k: whole(v) for k, v in s.items()} for i, s in state["state"].items()},
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return {"state": {i: {k: whole(_like(params[i], v)) for k, v in s.items()} for i, s in state["state"].items()},
                 "param_groups": state["param_groups"]}
 
     @override
@@ -146,6 +148,15 @@ class TensorParallelStrategy(ModelSplitStrategy):
         """One device's optimizer state into the optimizer over the shares: each process takes its shares (the
         state numbered by position in the groups, `optimizer_state_by_position`, to find each one's parameter)."""
         load_optimizer_shares(self.optimizers, checkpoint["optimizer_states"])
+
+
+def _like(param: Tensor, value: Any) -> Any:
+    """`value`, a plain tensor of a DTensor parameter's local shape (a partitioned optimizer's state), as a DTensor
+    placed like `param`; anything else as it is."""
+    if isinstance(param, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor) \
+            and value.shape == param.to_local().shape and value.dim():
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False)
+    return value
 
 
 # `trainer.strategy: tensor_parallel` works once this module is imported
