@@ -171,7 +171,7 @@ def layout_args(name: str, model: str = "lenet") -> list[str]:
     option = "--trainer.strategy.init_args."
     words = name.split()
     if name in ("pipeline gpipe", "pipeline 1f1b"):  # by layers: 2 stages, 4 micro-batches
-        return ["--config", "configs/strategy/pipeline_cpu.yaml", option + "schedule", words[1], option + "cuts",
+        return ["--config", "configs/strategy/pipeline_cpu.yaml", "--layout.schedule", words[1], "--layout.cuts",
                 PIPELINE_CUTS[model]]
     if name == "tensor":  # within a layer: 2 shares
         return ["--config", "configs/strategy/tensor_parallel_cpu.yaml"]

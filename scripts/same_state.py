@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LENET, RESNET = ["--config", "configs/lenet.yaml"], ["--config", "configs/resnet18.yaml"]
 OURS, PROCESSES = "configs/strategy/split_allreduce.yaml", "configs/strategy/split_allreduce_processes.yaml"
 STRATEGY = "--trainer.strategy.init_args."
+# the split models by class path, which every commit reads (configs/strategy/pipeline_cpu.yaml and
+# tensor_parallel_cpu.yaml say the same through a `layout`, tests/test_mesh_layout.py)
+SPLIT = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy.class_path"]
+PIPELINE = [*SPLIT, "src.strategies.PipelineStrategy"]
 #: name -> the CLI's arguments after `fit` (LeNet at batch 64 unless a run says otherwise)
 RUNS: dict[str, list[str]] = {
     "ours-1x2": [*LENET, "--config", OURS],
@@ -36,10 +40,9 @@ RUNS: dict[str, list[str]] = {
                      STRATEGY + "compression.warmup_steps", "2"],
     "resnet18-syncbn-1x2": [*RESNET, "--config", OURS, "--trainer.sync_batchnorm", "true", "--data.batch_size", "16",
                             "--trainer.max_steps", "3"],
-    "pipeline-gpipe": [*LENET, "--config", "configs/strategy/pipeline_cpu.yaml", STRATEGY + "cuts", "[features.3]"],
-    "pipeline-1f1b": [*LENET, "--config", "configs/strategy/pipeline_cpu.yaml", STRATEGY + "cuts", "[features.3]",
-                      STRATEGY + "schedule", "1f1b"],
-    "tensor": [*LENET, "--config", "configs/strategy/tensor_parallel_cpu.yaml"],
+    "pipeline-gpipe": [*LENET, *PIPELINE, STRATEGY + "cuts", "[features.3]"],
+    "pipeline-1f1b": [*LENET, *PIPELINE, STRATEGY + "cuts", "[features.3]", STRATEGY + "schedule", "1f1b"],
+    "tensor": [*LENET, *SPLIT, "src.strategies.TensorParallelStrategy"],
 }
 
 

@@ -20,6 +20,7 @@ import src.strategies.split_allreduce  # noqa: F401  registers `split_allreduce`
 from src.callbacks import EpochReport, HParamsMetrics, PredictionWriter, ProcessGroupCleanup, RestartReport
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.layout import SplitsByWeight, parallel_layout
+from src.mesh_layout import MeshLayout, apply_layout
 from src.models.classifier import ImageClassifier
 from src.run.checkpoints import check_checkpoint, keep_saved_folders, resolve_last_checkpoint
 from src.run.class_paths import register as register_class_paths
@@ -49,6 +50,9 @@ class CLI(LightningCLI):
         parser.add_argument("--threads", type=Optional[int], default=None,
                             help="Intra-op threads per training process (default: OMP_NUM_THREADS if set, else the "
                                  "cores left free by other programs, divided among this machine's processes).")
+        parser.add_argument("--layout", type=Optional[MeshLayout], default=None,
+                            help="The device mesh by its degrees, {data: D, pipeline: P, tensor: T}, and the options "
+                                 "of its ways: sets trainer.devices and trainer.strategy (src/mesh_layout.py).")
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would take the model's class and hyperparameters from a --ckpt_path checkpoint, so a
@@ -60,6 +64,7 @@ class CLI(LightningCLI):
         # Runs go under trainer.default_root_dir (configs/defaults.yaml: logs) unless the logger's save_dir is given
         trainer = self.config[self.subcommand].trainer
         apply_launcher_layout(trainer)  # under torchrun: the nodes of this rendezvous round, not a fixed number
+        apply_layout(self.config[self.subcommand].get("layout"), trainer)  # devices and strategy, over those nodes
         logger = trainer.get("logger")
         if getattr(logger, "class_path", None) == f"{RunLogger.__module__}.{RunLogger.__name__}":
             if logger.init_args.get("save_dir") is None or self.subcommand == "predict":

@@ -130,7 +130,7 @@ def test_cuda_without_a_gpu(fast_args, capsys, monkeypatch):
     ("trainer:\n  max_epochs: 3\n   devices: [1\n", ["not valid YAML at line 3"]),
     ("", ["is empty"]),
     ("- just\n- a list\n", ["is YAML but not a config: it holds a list", "configs/lenet.yaml"]),
-    ("services:\n  web: {image: nginx}\n", ["'services'", "top-level keys are ckpt_path, data, model"]),
+    ("services:\n  web: {image: nginx}\n", ["'services'", "top-level keys are ckpt_path, data, layout, model"]),
     ("trainer:\n  max_epohcs: 3\n", ["trainer.max_epohcs", "did you mean trainer.max_epochs"]),
     ("model:\n  init_args:\n    momentun: 0.9\n", ["model.init_args.momentun is not an option of LeNetClassifier",
                                                      "did you mean model.init_args.momentum?"]),

@@ -129,16 +129,20 @@ def _linked_folder(work: Path) -> Path:
 
 def _several_processes(args: list[str]) -> bool:
     """Whether a command's strategy overlay starts several processes (`trainer.devices` > 1 in a strategy config of
-    DDP or ours). Such runs start their other processes by fork (`start_method`, which both strategies take, ours
-    in its `processes` group) rather than by running the command line again: a new interpreter imports torch and
-    Lightning for several seconds, and this is a test of what the docs say, not of how processes start (the
+    DDP or ours, or a `layout` of several processes). Such runs start their other processes by fork
+    (`start_method`, which both strategies take, ours in its `processes` group) rather than by running the command
+    line again: a new interpreter imports torch and Lightning for several seconds, and this is a test of what the docs say, not of how processes start (the
     command line run again: tests/test_hidden_messages.py and tests/test_dead_rank.py; torchrun:
     tests/test_launchers.py)."""
     import yaml
 
     overlays = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config" and "configs/strategy/" in args[i + 1]]
     for overlay in overlays:
-        trainer = (yaml.safe_load((ROOT / overlay).read_text()) or {}).get("trainer", {})
+        config = yaml.safe_load((ROOT / overlay).read_text()) or {}
+        layout = config.get("layout") or {}
+        if layout.get("data", 1) * layout.get("pipeline", 1) * layout.get("tensor", 1) > 1:  # ours, by its layout
+            return True
+        trainer = config.get("trainer", {})
         strategy = trainer.get("strategy")
         if isinstance(strategy, dict) and "class_path" in strategy and int(trainer.get("devices", 1)) > 1:
             module, _, name = strategy["class_path"].rpartition(".")

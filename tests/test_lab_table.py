@@ -31,8 +31,7 @@ def test_the_split_ways_run_their_overlays_and_are_predicted_by_the_three_ways_f
     from benchmarks.lab_table import layout_args, sent_bytes, split_predicted
 
     assert layout_args("pipeline 1f1b", "resnet18") == [
-        "--config", "configs/strategy/pipeline_cpu.yaml", "--trainer.strategy.init_args.schedule", "1f1b",
-        "--trainer.strategy.init_args.cuts", "[stages.2]"]
+        "--config", "configs/strategy/pipeline_cpu.yaml", "--layout.schedule", "1f1b", "--layout.cuts", "[stages.2]"]
     assert layout_args("tensor") == ["--config", "configs/strategy/tensor_parallel_cpu.yaml"]
     # rank 1 sends the gradients back and the logits' broadcast (256 x 10 x 4 bytes)
     assert sent_bytes("lenet", "pipeline gpipe") == 256 * 20 * 13 * 13 * 4 + 256 * 10 * 4

@@ -122,13 +122,12 @@ def test_powersgd_between_two_pipelines_is_exact_in_warm_up_then_sends_less(tiny
 
 
 def test_the_cli_prints_and_logs_the_compressed_bytes_between_pipelines(tiny_data_dir, tmp_path, caplog, capfd):
-    """`--trainer.strategy.init_args.compression.kind powersgd` on 2 pipelines: the epoch line names what PowerSGD
+    """`--layout.data 2 --layout.compression.kind powersgd` (2 pipelines): the epoch line names what PowerSGD
     sends, as under ours, and TensorBoard holds both byte counts."""
     with caplog.at_level(logging.INFO):
         main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
-              "--trainer.strategy.init_args.processes.start_method", START_METHOD, "--trainer.devices", "4",
-              "--trainer.strategy.init_args.pipelines", "2", "--trainer.strategy.init_args.compression.kind",
-              "powersgd", "--trainer.strategy.init_args.compression.warmup_steps", "0",
+              "--layout.processes.start_method", START_METHOD, "--layout.data", "2", "--layout.compression.kind",
+              "powersgd", "--layout.compression.warmup_steps", "0",
               "--trainer.log_every_n_steps", "1", "--test_after_fit", "false",
               *cli_args.data_args(tiny_data_dir, batch_size=BATCH),
               *cli_args.trainer_args(tmp_path / "logs", train_batches=3)])

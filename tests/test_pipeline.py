@@ -136,7 +136,7 @@ def _refused(args: list[str], capsys) -> str:
 ])
 def test_what_the_pipeline_cannot_run_is_refused_before_training(extra, message, fast_args, capsys):
     err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
-                    *fast_args, "--trainer.devices", "1", *extra], capsys)
+                    *fast_args, *extra], capsys)
     assert message in err, err
 
 
@@ -282,7 +282,7 @@ def test_each_process_frees_the_other_stages_parameters(tiny_data_dir, tmp_path)
 @pytest.mark.slow  # 2 processes through the CLI, three times
 def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path, caplog, capfd):
     overlay = ["--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
-               "--trainer.strategy.init_args.processes.start_method", START_METHOD]
+               "--layout.processes.start_method", START_METHOD]
     with caplog.at_level(logging.INFO):
         main(["fit", *overlay, *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
@@ -305,14 +305,15 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
     assert len(written.read_text().splitlines()) == 1 + 200  # every test image once, though both stages predicted
 
 
-@pytest.mark.parametrize("overlay, copies", [("pipeline_cpu", "pipelines"), ("tensor_parallel_cpu", "replicas")])
-def test_zero_stage_with_the_shipped_one_copy_is_refused_before_processes_start(overlay, copies, fast_args, capsys):
+@pytest.mark.parametrize("overlay, mesh", [("pipeline_cpu", "1 data x 2 pipeline x 1 tensor"),
+                                           ("tensor_parallel_cpu", "1 data x 1 pipeline x 2 tensor")])
+def test_zero_stage_with_the_shipped_one_copy_is_refused_before_processes_start(overlay, mesh, fast_args, capsys):
     """`zero_stage` partitions over the copies of the split model; the shipped configs have one, so the CLI refuses
     it in the launching process with the one message saying what to set."""
     err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", f"configs/strategy/{overlay}.yaml",
-                    *fast_args, "--trainer.strategy.init_args.zero_stage", "1"], capsys)
-    assert f"zero_stage 1 acts on the gradients exchanged between copies of the split model, and there is one: set " \
-           f"{copies} to 2 or more" in err, err
+                    *fast_args, "--layout.zero_stage", "1"], capsys)
+    assert f"layout.zero_stage is an option of the data dimension, and this layout ({mesh}) has none: set " \
+           "layout.data to 2 or more, or leave zero_stage out" in err, err
 
 
 class ValCounts(pl.Callback):
@@ -351,9 +352,9 @@ def test_two_pipelines_side_by_side_equal_one_device(tiny_data_dir):
 
 @pytest.mark.parametrize("batch, message", [
     (4, "pipeline: 4 micro-batches do not divide the 2 samples each of the 2 pipelines takes of data.batch_size 4; "
-        "set --trainer.strategy.init_args.n_microbatches to 2, or --data.batch_size to 8"),
+        "set n_microbatches to 2, or --data.batch_size to 8"),
     (12, "pipeline: 4 micro-batches do not divide the 6 samples each of the 2 pipelines takes of data.batch_size 12; "
-         "set --trainer.strategy.init_args.n_microbatches to 3 or 6, or --data.batch_size to 8 or 16"),
+         "set n_microbatches to 3 or 6, or --data.batch_size to 8 or 16"),
 ])
 def test_pipelines_side_by_side_refuse_a_share_the_micro_batches_do_not_divide(batch, message, fast_args, tmp_path,
                                                                                capsys):
@@ -366,9 +367,8 @@ def test_pipelines_side_by_side_refuse_a_share_the_micro_batches_do_not_divide(b
 
     with recorded_process_starts() as starts:
         err = _refused(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
-                        *fast_args, "--trainer.devices", "4", "--trainer.strategy.init_args.pipelines", "2",
-                        "--data.batch_size", str(batch), "--trainer.strategy.init_args.processes.start_method",
-                        START_METHOD], capsys)
+                        *fast_args, "--layout.data", "2", "--data.batch_size", str(batch),
+                        "--layout.processes.start_method", START_METHOD], capsys)
     assert err.splitlines()[0] == f"error: {message}", err  # one line (the debug hint follows on its own)
     assert starts == [] and not dist.is_initialized()
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("version_*"))

@@ -217,7 +217,7 @@ def test_tensor_options_the_pipeline_cannot_run_are_refused_at_construction(kwar
 
 @pytest.mark.slow  # 4 processes through the CLI, about 10 s
 def test_the_cli_names_the_stages_and_the_tensor_degree(tiny_data_dir, tmp_path, caplog, capfd):
-    """`--trainer.strategy.init_args.tensor 2` on 4 processes: the epoch line names the 2 stages and their 2 shares,
+    """`--layout.tensor 2` on the pipeline's preset, 4 processes: the epoch line names the 2 stages and their 2 shares,
     the run folder the degree (-t2), HPARAMS its column, and the test after fit (from the best checkpoint, loaded
     into the shares) runs."""
     import logging
@@ -228,8 +228,8 @@ def test_the_cli_names_the_stages_and_the_tensor_degree(tiny_data_dir, tmp_path,
 
     with caplog.at_level(logging.INFO):
         main(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/pipeline_cpu.yaml",
-              "--trainer.strategy.init_args.processes.start_method", START_METHOD, "--trainer.devices", "4",
-              "--trainer.strategy.init_args.tensor", "2", "--trainer.strategy.init_args.cuts", "[classifier]",
+              "--layout.processes.start_method", START_METHOD, "--layout.tensor", "2", "--layout.cuts",
+              "[classifier]",
               *cli_args.fast_args(tiny_data_dir, tmp_path / "logs"), "--test_after_fit", "true"])
     out = capfd.readouterr().out + caplog.text  # the epoch line comes from the forked rank 0
     assert ("pipeline: 4 processes (1 data x 2 pipeline x 2 tensor) on cpu (1 thread each), 2 stages "

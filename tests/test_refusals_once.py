@@ -46,15 +46,15 @@ def _cli(overlay: str, extra: list[str], data_dir: Path, logs: Path) -> tuple[in
 @pytest.mark.slow  # runs the CLI as a user does, in a process of its own
 @pytest.mark.parametrize("overlay, extra, message", [
     (PIPELINE, ["--data.batch_size", "30"], "pipeline: 4 micro-batches do not divide data.batch_size 30; set "
-                                            "--trainer.strategy.init_args.n_microbatches to 3 or 5, or "
+                                            "n_microbatches to 3 or 5, or "
                                             "--data.batch_size to 28 or 32"),
-    (PIPELINE, ["--trainer.strategy.init_args.cuts", "[nope]"],
+    (PIPELINE, ["--layout.cuts", "[nope]"],
      "pipeline cut 'nope' names no block of the network; a stage can begin at features.1, features.2, features.3, "
      "features.4, features.5, classifier.0, classifier.1, classifier.2, classifier.3"),
     (PIPELINE, ["--trainer.gradient_clip_val", "1.0"],
      "the pipeline strategy does not clip gradients: each process holds only its part of them, and the norm is the "
      "whole model's; leave trainer.gradient_clip_val unset"),
-    (TP, ["--trainer.devices", "3"],
+    (TP, ["--layout.tensor", "3"],
      "tensor parallelism splits the output channels of Conv2d(1, 20, kernel_size=(3, 3), stride=(1, 1)) (20) into 3 "
      "equal shares, and 20 is not divisible by 3; use a number of processes (trainer.devices) that divides it"),
 ], ids=["micro-batches", "cut", "clipping", "tp-channels"])

@@ -75,8 +75,9 @@ def test_overlays_change_only_trainer_keys():
 
     for overlay in Path("configs/strategy").glob("*.yaml"):
         config = yaml.safe_load(overlay.read_text())
-        assert set(config) == {"trainer"}, overlay
+        assert set(config) <= {"trainer", "layout"} and "trainer" in config, overlay
         assert set(config["trainer"]) <= {"strategy", "devices", "accelerator", "num_nodes"}, overlay
+        assert not ("layout" in config and {"strategy", "devices"} & set(config["trainer"])), overlay  # one of them
 
 
 def test_linear_lr_scaling_follows_the_global_batch(fast_args, tmp_path):

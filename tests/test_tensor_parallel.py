@@ -65,8 +65,8 @@ def test_clipping_and_compile_are_refused_before_training(extra, message, fast_a
     """On one process, so the refusal at setup is this one's: the CLI's one-line error, and no training."""
     from src.cli import run
 
-    assert run(["fit", "--config", "configs/lenet.yaml", "--config", "configs/strategy/tensor_parallel_cpu.yaml",
-                *fast_args, "--trainer.devices", "1", *extra]) == 2
+    assert run(["fit", "--config", "configs/lenet.yaml", "--trainer.strategy.class_path",
+                "src.strategies.TensorParallelStrategy", *fast_args, "--trainer.devices", "1", *extra]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[0] == f"error: {message}", err
 

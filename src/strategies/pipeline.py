@@ -516,7 +516,7 @@ def check_microbatches(batch: int, n_microbatches: int, pipelines: int = 1, stag
     fixes = []
     if not rest:
         counts = [k for k in range(1, share + 1) if microbatches_for(share, k, stages, interleaved) == k]
-        fixes.append(f"--trainer.strategy.init_args.n_microbatches to {_nearest(counts, m)}")
+        fixes.append(f"n_microbatches to {_nearest(counts, m)}")
     batches = [b for b in range(pipelines, 2 * (batch + pipelines * m * stages) + 1, pipelines)
                if microbatches_for(b // pipelines, m, stages, interleaved) == m]
     if batches:

@@ -44,20 +44,32 @@ def process_option(overlay_args: str | list[str], name: str) -> str:
     names: ours (split_allreduce, pipeline, tensor_parallel) group the three under `processes`, Lightning's DDP
     takes them flat (`process_group_backend` for the backend)."""
     text = overlay_args if isinstance(overlay_args, str) else " ".join(overlay_args)
+    if _has_layout(text):  # a preset of the layout (src/mesh_layout.py): the layout's group
+        return f"--layout.processes.{name}"
     if any(name in text for name in ("split_allreduce", "pipeline", "tensor_parallel")) or _groups_processes(text):
         return f"--trainer.strategy.init_args.processes.{name}"  # ours: the group
     return f"--trainer.strategy.init_args.{'process_group_backend' if name == 'backend' else name}"
 
 
-def _groups_processes(text: str) -> bool:
-    """Whether a strategy overlay named in `text` (configs/strategy/<name>.yaml) gives its strategy a `processes`
-    group, as ours do whatever the overlay's name."""
+def _overlays(text: str) -> list[dict]:
+    """The strategy overlays (configs/strategy/<name>.yaml) named in `text`, read."""
     import yaml
 
     root = Path(__file__).resolve().parents[2]
-    for word in text.split():
-        if word.startswith("configs/strategy/") and (root / word).is_file():
-            strategy = (yaml.safe_load((root / word).read_text()) or {}).get("trainer", {}).get("strategy")
-            if isinstance(strategy, dict) and "processes" in (strategy.get("init_args") or {}):
-                return True
+    return [yaml.safe_load((root / word).read_text()) or {} for word in text.split()
+            if word.startswith("configs/strategy/") and (root / word).is_file()]
+
+
+def _has_layout(text: str) -> bool:
+    """Whether an overlay named in `text` is a preset of the layout."""
+    return any("layout" in overlay for overlay in _overlays(text))
+
+
+def _groups_processes(text: str) -> bool:
+    """Whether a strategy overlay named in `text` (configs/strategy/<name>.yaml) gives its strategy a `processes`
+    group, as ours do whatever the overlay's name."""
+    for overlay in _overlays(text):
+        strategy = overlay.get("trainer", {}).get("strategy")
+        if isinstance(strategy, dict) and "processes" in (strategy.get("init_args") or {}):
+            return True
     return False
