@@ -129,11 +129,11 @@ def _linked_folder(work: Path) -> Path:
 
 def _several_processes(args: list[str]) -> bool:
     """Whether a command's strategy overlay starts several processes (`trainer.devices` > 1 in a strategy config of
-    DDP or ours, or a `layout` of several processes). Such runs start their other processes by fork
-    (`start_method`, which both strategies take, ours in its `processes` group) rather than by running the command
-    line again: a new interpreter imports torch and Lightning for several seconds, and this is a test of what the docs say, not of how processes start (the
-    command line run again: tests/test_hidden_messages.py and tests/test_dead_rank.py; torchrun:
-    tests/test_launchers.py)."""
+    DDP or ours, or a `layout` of several processes). Such runs start their other processes by fork (`start_method`,
+    which both strategies take, ours in its `processes` group) rather than by running the command line again: a new
+    interpreter imports torch and Lightning for several seconds, and this is a test of what the docs say, not of how
+    processes start (the command line run again: tests/test_hidden_messages.py and tests/test_dead_rank.py;
+    torchrun: tests/test_launchers.py)."""
     import yaml
 
     overlays = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config" and "configs/strategy/" in args[i + 1]]
