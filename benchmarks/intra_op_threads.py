@@ -28,7 +28,8 @@ SETTINGS = {
     "quiet, chosen": (False, None), "quiet, 2 threads": (False, "2"),
     "busy, chosen": (True, None), "busy, 1 thread": (True, "1"), "busy, 2 threads": (True, "2"),
 }
-# the epoch line (src/callbacks/epoch_report.py), "... images/s, single: 1 process x 1 replica on cpu (2 threads)"
+# the epoch line (src/callbacks/epoch_report.py), "... images/s, single: 1 process x 1 replica (1 data x 1 pipeline x
+# 1 tensor) on cpu (2 threads)"
 LINE = re.compile(r"epoch 0: .*?([\d,]+) images/s, \w+: .*? on cpu \((\d+) threads?")
 
 

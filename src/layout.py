@@ -42,7 +42,7 @@ class ParallelLayout:
             ranks form a group.
         model_split: How the model is split between those processes, in words for the epoch line, e.g. "2 stages
             (features.0-features.5 | classifier.0-classifier.3), GPipe, 4 micro-batches"; None when it is not.
-        split_tag: The same for run names, e.g. "gpipe-m4"; None when the model is not split.
+        split_tag: The way's own part of the run's name after its mesh, e.g. "gpipe-m4"; None when it has none.
         mesh: The degrees (data, pipeline, tensor) of a model split between processes: `data` copies side by side,
             each over `pipeline` processes along its stages, each stage over `tensor` processes that split its
             layers; their product is `processes`. None for the ways that keep whole replicas.
@@ -99,17 +99,23 @@ class ParallelLayout:
         """The device types of this process's replicas in order of first use, e.g. "cpu", "cuda" or "cuda+cpu"."""
         return "+".join(dict.fromkeys(d.type for d in self.replica_devices))
 
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(data, pipeline, tensor): the split model's `mesh`, or (P x K, 1, 1) for whole replicas."""
+        return self.mesh or (self.total_replicas, 1, 1)
+
     def words(self, threads: int | None = None) -> str:
-        """The layout as the epoch line and HPARAMS name it, the same for every strategy: "1 process x 1 replica on
-        cpu" (one device), "1 process x 2 replicas on cpu" (ours in one process), "2 processes x 1 replica on cpu"
-        (DDP, or ours across processes), "8 processes (2 data x 2 pipeline x 2 tensor) on cpu" (a model split
-        between them, by its `mesh`); with `threads`, the intra-op threads of each process too: "... on cpu (2
-        threads)", "... on cpu (1 thread each)"."""
+        """The layout as the epoch line and HPARAMS name it, the same for every strategy, its degrees always: "1
+        process x 1 replica (1 data x 1 pipeline x 1 tensor) on cpu" (one device), "1 process x 2 replicas (2 data
+        x ...) on cpu" (ours in one process), "2 processes x 1 replica (2 data x ...) on cpu" (DDP, or ours across
+        processes), "8 processes (2 data x 2 pipeline x 2 tensor) on cpu" (a model split between them, by its
+        `mesh`); with `threads`, the intra-op threads of each process too: "... on cpu (2 threads)", "... on cpu (1
+        thread each)"."""
         p, k = self.processes, self.replicas_per_process
-        text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} on {self.device_types}"
+        mesh = f"({degrees_words(*self.degrees)})"
+        text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} {mesh} on {self.device_types}"
         if self.mesh is not None:  # processes that hold one model between them
-            data, pipeline, tensor = self.mesh
-            text = f"{p} processes ({data} data x {pipeline} pipeline x {tensor} tensor) on {self.device_types}"
+            text = f"{p} processes {mesh} on {self.device_types}"
         if threads is None:
             return text
         return f"{text} ({threads} thread{'s' if threads > 1 else ''}{' each' if p > 1 else ''})"
@@ -133,6 +139,11 @@ class ParallelLayout:
     def describe(self) -> str:
         """The replicas in words, e.g. "replicas (2 processes x 2; rank 0's replicas first)"."""
         return replicas_text(self.processes, self.replicas_per_process)
+
+
+def degrees_words(data: int, pipeline: int, tensor: int) -> str:
+    """"2 data x 2 pipeline x 2 tensor": a mesh's degrees as the epoch line and the layout's messages name them."""
+    return f"{data} data x {pipeline} pipeline x {tensor} tensor"
 
 
 # what a replica keeps a part of, by torch's FSDP sharding strategy (and ZeRO stage 1, which FSDP has no name for)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from jsonargparse import Namespace
 
+from src.layout import degrees_words
 from src.strategies.comm.compression import CompressionSpec
 from src.strategies.processes import ProcessStart
 
@@ -67,11 +68,6 @@ class MeshLayout:
     zero_stage: Literal[0, 1, 2] | None = None
     overlap: bool | None = None
     processes: ProcessStart | None = None
-
-
-def degrees_words(data: int, pipeline: int, tensor: int) -> str:
-    """"2 data x 2 pipeline x 2 tensor": a mesh's degrees as the epoch line names them."""
-    return f"{data} data x {pipeline} pipeline x {tensor} tensor"
 
 
 def strategy_for_layout(layout: Namespace) -> tuple[int, Any]:

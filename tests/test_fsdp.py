@@ -101,8 +101,9 @@ def test_the_full_shard_overlay_trains_through_the_cli_and_its_checkpoint_resume
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     # the epoch line, on stdout, names the sharding
-    assert re.search(r"^epoch 0: .*, fsdp: 2 processes x 1 replica on cpu \(1 thread each\), FULL_SHARD \(parameters, "
-                     r"gradients and optimizer state in 2 shards\)$", done.stdout, re.M), done.stdout[-3000:]
+    assert re.search(r"^epoch 0: .*, fsdp: 2 processes x 1 replica \(2 data x 1 pipeline x 1 tensor\) on cpu "
+                     r"\(1 thread each\), FULL_SHARD \(parameters, gradients and optimizer state in 2 shards\)$",
+                     done.stdout, re.M), done.stdout[-3000:]
     run = logs / "lenet" / "fsdp-2x1-cpu-zero3" / "version_0"
     assert re.search(r"^test acc [0-9.]+ .*run in .*fsdp-2x1-cpu-zero3", done.stderr, re.M), done.stderr[-3000:]
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)

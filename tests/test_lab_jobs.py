@@ -78,8 +78,9 @@ LAYOUTS = {
     # both replicas of a machine share its one core
     "ours-2x2": ("configs/strategy/split_allreduce_processes.yaml",
                  ["--trainer.strategy.init_args.replicas_per_process", "2"], "split_allreduce-2x2-cpu",
-                 "2 processes x 2 replicas on cpu (1 thread each)"),
-    "ddp": ("configs/strategy/ddp_cpu.yaml", [], "ddp-2x1-cpu", "2 processes x 1 replica on cpu (1 thread each)"),
+                 "2 processes x 2 replicas (4 data x 1 pipeline x 1 tensor) on cpu (1 thread each)"),
+    "ddp": ("configs/strategy/ddp_cpu.yaml", [], "ddp-2x1-cpu",
+            "2 processes x 1 replica (2 data x 1 pipeline x 1 tensor) on cpu (1 thread each)"),
 }
 
 

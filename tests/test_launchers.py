@@ -63,7 +63,7 @@ def test_torchrun_two_nodes_train_as_one_world(two_node_run):
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in node1
     assert "epoch 1: val acc" in node0 and "test acc" in node0
     assert "epoch 1: val acc" not in node1  # the per-epoch line is printed by global rank 0 only
-    assert "images/s, ddp: 2 processes x 1 replica on cpu (1 thread each)" in node0
+    assert "images/s, ddp: 2 processes x 1 replica (2 data x 1 pipeline x 1 tensor) on cpu (1 thread each)" in node0
     run = logs / "lenet" / "ddp-2x1-cpu" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
 
@@ -74,7 +74,8 @@ def test_torchrun_two_nodes_of_our_strategy_train_as_one_world(tiny_data_dir, tm
     assert "Starting with 2 processes" in node0 and "GLOBAL_RANK: 1, MEMBER: 2/2" in node1
     assert "epoch 1: val acc" in node0 and "test acc" in node0
     # the strategy, then the layout, named as for DDP: the line alone tells the two runs apart
-    assert "images/s, split_allreduce: 2 processes x 2 replicas on cpu (1 thread each)" in node0
+    assert ("images/s, split_allreduce: 2 processes x 2 replicas (4 data x 1 pipeline x 1 tensor) on cpu (1 thread "
+            "each)") in node0
     run = tmp_path / "lenet" / "split_allreduce-2x2-cpu" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
 

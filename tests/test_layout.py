@@ -46,9 +46,12 @@ def test_layout_of_every_strategy_this_tool_runs():
     assert two_by_two.describe() == "replicas (2 processes x 2; rank 0's replicas first)"
     # one way to name a layout (epoch line, HPARAMS): DDP with 2 processes and ours with 2 replicas no longer read alike
     assert [layout.words() for layout in (single, ours, ddp)] == [
-        "1 process x 1 replica on cpu", "1 process x 2 replicas on cpu", "2 processes x 1 replica on cpu"]
-    assert two_by_two.words(threads=1) == "2 processes x 2 replicas on cpu (1 thread each)"
-    assert single.words(threads=2) == "1 process x 1 replica on cpu (2 threads)"
+        "1 process x 1 replica (1 data x 1 pipeline x 1 tensor) on cpu",
+        "1 process x 2 replicas (2 data x 1 pipeline x 1 tensor) on cpu",
+        "2 processes x 1 replica (2 data x 1 pipeline x 1 tensor) on cpu"]
+    assert two_by_two.words(threads=1) == \
+        "2 processes x 2 replicas (4 data x 1 pipeline x 1 tensor) on cpu (1 thread each)"
+    assert single.words(threads=2) == "1 process x 1 replica (1 data x 1 pipeline x 1 tensor) on cpu (2 threads)"
 
 
 def test_the_epoch_lines_state_words_name_the_zero_stage_and_fsdps_sharding():

@@ -71,16 +71,23 @@ def test_each_combination_of_degrees_names_the_strategy_of_its_ways(degrees, str
     assert made.init_args.get("tensor", tensor) == tensor
 
 
-@pytest.mark.parametrize("degrees", [(2, 1, 1), (2, 1, 2), (2, 2, 2)])
-def test_the_cli_builds_the_mesh_a_layout_names(built, degrees):
-    """Through the CLI, to the built Trainer: the processes and the mesh's degrees as the strategy reports them."""
+@pytest.mark.parametrize("degrees, folder", [((2, 1, 1), "split_allreduce-2x1-cpu"),
+                                             ((2, 1, 2), "tensor_parallel-2x1x2-cpu"),
+                                             ((2, 2, 2), "pipeline-2x2x2-cpu-gpipe-m4")])
+def test_the_cli_builds_the_mesh_a_layout_names(built, degrees, folder):
+    """Through the CLI, to the built Trainer: the processes, the mesh's degrees as the strategy reports them and the
+    run folder that names them (ours' processes x replicas for the data dimension alone)."""
+    from src.run.logger import run_tag
+
     data, pipeline, tensor = degrees
     made = built(["--trainer.accelerator", "cpu", "--layout.data", str(data), "--layout.pipeline", str(pipeline),
                   "--layout.tensor", str(tensor), *(["--layout.cuts", "[classifier]"] if pipeline > 1 else [])])
     layout = made.trainer.strategy.parallel_layout()
     assert made.trainer.num_devices == layout.processes == data * pipeline * tensor
+    assert run_tag(made.trainer) == folder
     if pipeline == tensor == 1:  # the data dimension alone: ours, one replica in each process
-        assert (layout.strategy, layout.words()) == ("split_allreduce", "2 processes x 1 replica on cpu")
+        assert (layout.strategy, layout.words()) == \
+            ("split_allreduce", "2 processes x 1 replica (2 data x 1 pipeline x 1 tensor) on cpu")
     else:
         assert layout.mesh == degrees
 

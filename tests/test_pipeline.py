@@ -290,7 +290,7 @@ def test_the_cli_trains_tests_predicts_and_names_the_way(tiny_data_dir, tmp_path
     assert "GPipe, 4 micro-batches" in out, out
     assert "2 stages (features.0-features.2 | features.3-classifier.3)" in out, out  # `auto`'s cut, as the docs say
     assert "test acc " in out
-    run = tmp_path / "logs" / "lenet" / "pipeline-2x1-cpu-gpipe-m4" / "version_0"
+    run = tmp_path / "logs" / "lenet" / "pipeline-1x2x1-cpu-gpipe-m4" / "version_0"
     hparams = run_row(run)[0]  # the way's own columns; the cut, fixed at the first batch, as the run ends
     assert (hparams["run/pipeline_schedule"], hparams["run/micro_batches"], hparams["run/pipeline_cut"]) == \
         ("gpipe", 4, "features.3"), hparams
@@ -410,7 +410,7 @@ def test_each_pipeline_runs_the_micro_batches_its_label_names(tiny_data_dir, tmp
     strategy = _pipeline(pipelines=2, n_microbatches=3)
     fit(tiny_data_dir, strategy, devices=4, steps=3, batch_size=12, callbacks=[Step(), SaveChunks(tmp_path)])
     layout = strategy.parallel_layout()
-    assert layout.model_split.endswith(", 3 micro-batches") and layout.split_tag == "gpipe-m3-x2", layout
+    assert layout.model_split.endswith(", 3 micro-batches") and layout.split_tag == "gpipe-m3", layout
     for rank in range(4):
         chunks = torch.load(tmp_path / f"rank{rank}.pt")
         assert sorted(chunks) == [(step, i, 2) for step in range(3) for i in range(3)], (rank, chunks)

@@ -218,7 +218,7 @@ def test_tensor_options_the_pipeline_cannot_run_are_refused_at_construction(kwar
 @pytest.mark.slow  # 4 processes through the CLI, about 10 s
 def test_the_cli_names_the_stages_and_the_tensor_degree(tiny_data_dir, tmp_path, caplog, capfd):
     """`--layout.tensor 2` on the pipeline's preset, 4 processes: the epoch line names the 2 stages and their 2 shares,
-    the run folder the degree (-t2), HPARAMS its column, and the test after fit (from the best checkpoint, loaded
+    the run folder the mesh (1x2x2), HPARAMS its column, and the test after fit (from the best checkpoint, loaded
     into the shares) runs."""
     import logging
 
@@ -235,6 +235,6 @@ def test_the_cli_names_the_stages_and_the_tensor_degree(tiny_data_dir, tmp_path,
     assert ("pipeline: 4 processes (1 data x 2 pipeline x 2 tensor) on cpu (1 thread each), 2 stages "
             "(features.0-features.5 | classifier.0-classifier.3), GPipe, 4 micro-batches") in out, out
     assert "test acc " in out
-    hparams = run_row(tmp_path / "logs" / "lenet" / "pipeline-4x1-cpu-gpipe-m4-t2" / "version_0")[0]
+    hparams = run_row(tmp_path / "logs" / "lenet" / "pipeline-1x2x2-cpu-gpipe-m4" / "version_0")[0]
     assert (hparams["run/tensor_degree"], hparams["run/pipeline_cut"], hparams["run/processes"]) == \
         (2, "classifier.0", 4), hparams

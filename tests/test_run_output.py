@@ -16,8 +16,8 @@ LENET = ["--config", "configs/lenet.yaml"]
 OURS = ["--config", "configs/strategy/split_allreduce.yaml"]  # 2 replicas in this process
 # the shape of the epoch line as README.md shows it (numbers aside), with what each replica keeps a part of
 EPOCH_LINE = re.compile(r"epoch (\d+): val acc \d\.\d{3}, \d+\.\d sec/epoch( \(\d+ of [\d,]+ batches\))?, "
-                        r"[\d,]+ images/s, (single|ddp|split_allreduce): (\d+) process(es)? x (\d+) replicas? on cpu "
-                        r"\(\d+ threads?( each)?\)(, .*)?")
+                        r"[\d,]+ images/s, (single|ddp|split_allreduce): (\d+) process(es)? x (\d+) replicas? "
+                        r"\(\d+ data x 1 pipeline x 1 tensor\) on cpu \(\d+ threads?( each)?\)(, .*)?")
 
 
 def _lines(caplog, start: str) -> list[str]:

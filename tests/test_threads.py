@@ -68,7 +68,8 @@ def test_run_shows_the_auto_choice(fast_args, tmp_path, monkeypatch, capsys, res
     monkeypatch.setattr(threads, "busy_cores", lambda: 1.0)
     main(["fit", "--config", "configs/lenet.yaml", *fast_args])
     assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
-    assert "images/s, single: 1 process x 1 replica on cpu (1 thread)" in capsys.readouterr().out  # the epoch line
+    out = capsys.readouterr().out
+    assert "images/s, single: 1 process x 1 replica (1 data x 1 pipeline x 1 tensor) on cpu (1 thread)" in out
     run = tmp_path / "logs" / "lenet" / "single-1x1-cpu" / "version_0"
     assert "run/threads" not in yaml.safe_load((run / "hparams.yaml").read_text())  # HPARAMS only, below
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -16,20 +16,19 @@ from src.run.progress import batches_in_a_whole_epoch
 class EpochReport(pl.Callback):
     """Logs `time/epoch_s` (training seconds: from the epoch's start to its last training batch's end, with the
     validations in between left out, as the d2l.ai chapters time an epoch's batches only) and
-    `throughput/images_per_s` (training images per second over all processes), then prints
-    `epoch 3: val acc 0.887, 12.4 sec/epoch, 4,830 images/s, single: 1 process x 1 replica on cpu (2 threads)` on
-    rank 0: the strategy as the run folder names it (`single`, `ddp`, `split_allreduce`, `fsdp`), so that DDP and
-    ours on the same layout print different lines, then the layout as `ParallelLayout.words` names it and what each
-    replica keeps a part of (`ParallelLayout.state_words`: the ZeRO stage, FSDP's sharding); with the number of
-    batches run out of a whole epoch's when an epoch was cut short by max_steps or limit_train_batches, or by a
-    restart in it, which `RestartReport` names at the end.
+    `throughput/images_per_s` (training images per second over all processes), then prints `epoch 3: val acc 0.887,
+    12.4 sec/epoch, 4,830 images/s, single: 1 process x 1 replica (1 data x 1 pipeline x 1 tensor) on cpu (2
+    threads)` on rank 0: the strategy as the run folder names it (`single`, `ddp`, `split_allreduce`, `fsdp`), so
+    that DDP and ours on the same layout print different lines, then the layout as `ParallelLayout.words` names it
+    and what each replica keeps a part of (`ParallelLayout.state_words`: the ZeRO stage, FSDP's sharding); with the
+    number of batches run out of a whole epoch's when an epoch was cut short by max_steps or limit_train_batches, or
+    by a restart in it, which `RestartReport` names at the end.
 
-    Every process logs rank 0's seconds and the images of all processes, so the logged values are the same on
-    every process. Also logs the medians over the epochs so far, `hp/epoch_s_median` and
-    `hp/images_per_s_median` (metrics of the HPARAMS table), counts the images of the last test run over all
-    processes (`test_images`), says once when the run is shorter than the logging interval
-    (`src.run.log_steps.interval_note`), and keeps the training seconds of every epoch of this run in `epoch_seconds`
-    (list of float).
+    Every process logs rank 0's seconds and the images of all processes, so the logged values are the same on every
+    process. Also logs the medians over the epochs so far, `hp/epoch_s_median` and `hp/images_per_s_median` (metrics
+    of the HPARAMS table), counts the images of the last test run over all processes (`test_images`), says once when
+    the run is shorter than the logging interval (`src.run.log_steps.interval_note`), and keeps the training seconds
+    of every epoch of this run in `epoch_seconds` (list of float).
     """
 
     def __init__(self) -> None:

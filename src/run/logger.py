@@ -32,11 +32,14 @@ _LOGGERS: "weakref.WeakSet[RunLogger]" = weakref.WeakSet()  # this process's, fo
 
 
 def run_tag(trainer: "pl.Trainer") -> str:
-    """`<strategy>-<P>x<K>-<device>` for this Trainer, e.g. "split_allreduce-1x2-cpu" or "ddp-2x1-cpu"; with
-    gradient compression `-<compression>` after it, e.g. "split_allreduce-2x1-cpu-powersgd-r2", "ddp-2x1-cpu-bf16";
-    with ours' `zero_stage` `-zero<stage>`, e.g. "split_allreduce-1x2-cpu-zero1"."""
+    """`<strategy>-<P>x<K>-<device>` for this Trainer, e.g. "split_allreduce-1x2-cpu" or "ddp-2x1-cpu"; a model
+    split between processes by its mesh, `<data>x<pipeline>x<tensor>`, then the way's own tag, e.g.
+    "pipeline-2x2x2-cpu-gpipe-m4", "tensor_parallel-1x1x2-cpu"; with gradient compression `-<compression>` after
+    it, e.g. "split_allreduce-2x1-cpu-powersgd-r2", "ddp-2x1-cpu-bf16"; with `zero_stage` `-zero<stage>`, e.g.
+    "split_allreduce-1x2-cpu-zero1". (`--ckpt_path auto` finds a run's folder under any of these names.)"""
     layout = parallel_layout(trainer.strategy)
-    tag = f"{layout.strategy}-{layout.processes}x{layout.replicas_per_process}-{layout.device_type}"
+    size = "x".join(map(str, layout.mesh)) if layout.mesh else f"{layout.processes}x{layout.replicas_per_process}"
+    tag = f"{layout.strategy}-{size}-{layout.device_type}"
     tag = tag if layout.compression == "none" else f"{tag}-{layout.compression}"
     tag = tag if layout.split_tag is None else f"{tag}-{layout.split_tag}"
     return f"{tag}-zero{layout.zero_stage}" if layout.zero_stage else tag

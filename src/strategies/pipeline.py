@@ -171,10 +171,8 @@ class PipelineStrategy(ModelSplitStrategy):
         p, n = self.world_size, self.pipeline_size * self.per_process
         cut = "" if self._starts is None else f" ({' | '.join(stage_names(self._blocks, self._starts))})"
         words = f"{n} stages{cut}, {SCHEDULES[self.schedule]}, {self.n_microbatches} micro-batches"
-        tag = f"{self.schedule}-m{self.n_microbatches}" + (f"-t{self.tensor}" if self.tensor > 1 else "")
+        tag = f"{self.schedule}-m{self.n_microbatches}"  # after the mesh's degrees (`src.run.logger.run_tag`)
         degree = (("run/tensor_degree", self.tensor),) if self.tensor > 1 else ()
-        if self.copies > 1:  # the mesh (`ParallelLayout.words`) says how many pipelines and shares
-            tag = f"{tag}-x{self.copies}"
         allreduce, compression = self.data_exchange
         return ParallelLayout("pipeline", p, 1, (self.root_device,), tuple(self.parallel_devices or [self.root_device]),
                               allreduce, self.process_group_backend if p > 1 else None, compression=compression,

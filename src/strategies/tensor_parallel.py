@@ -88,14 +88,12 @@ class TensorParallelStrategy(ModelSplitStrategy):
     def parallel_layout(self) -> ParallelLayout:
         """P processes holding one model between them, each a share of every split layer."""
         p, shares = self.world_size, self.copy_size
-        words, tag = f"split layers in {shares} shares (channels and units)", "tp"
-        if self.copies > 1:  # the mesh (`ParallelLayout.words`) says how many replicas
-            tag = f"tp-x{self.copies}"
+        words = f"split layers in {shares} shares (channels and units)"
         devices = tuple(self.parallel_devices or [self.root_device])
         allreduce, compression = self.data_exchange
         return ParallelLayout("tensor_parallel", p, 1, (self.root_device,), devices, allreduce,
                               self.process_group_backend if p > 1 else None, compression=compression,
-                              model_parallel=shares, model_split=words, split_tag=tag,
+                              model_parallel=shares, model_split=words,
                               columns=(("run/tensor_degree", shares),), mesh=(self.copies, 1, shares))
 
     @override
