@@ -113,9 +113,11 @@ class ParallelLayout:
         thread each)"."""
         p, k = self.processes, self.replicas_per_process
         mesh = f"({degrees_words(*self.degrees)})"
-        text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} {mesh} on {self.device_types}"
-        if self.mesh is not None:  # processes that hold one model between them
-            text = f"{p} processes {mesh} on {self.device_types}"
+        if self.mesh is None:  # whole replicas
+            text = f"{p} process{'es' if p > 1 else ''} x {k} replica{'s' if k > 1 else ''} {mesh}"
+        else:  # processes that hold one model between them
+            text = f"{p} processes {mesh}"
+        text = f"{text} on {self.device_types}"
         if threads is None:
             return text
         return f"{text} ({threads} thread{'s' if threads > 1 else ''}{' each' if p > 1 else ''})"

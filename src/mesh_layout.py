@@ -148,17 +148,15 @@ def _agreed(configured: Any, strategy: Any, words: str) -> Any:
     Raises:
         ValueError: A configured strategy of another class or other degrees.
     """
-    if configured in (None, "auto") or configured == strategy:
+    if configured in (None, "auto"):
         return strategy
     if isinstance(configured, Namespace) and isinstance(strategy, Namespace) \
             and configured.get("class_path") == strategy.class_path:
         init_args = configured.get("init_args") or Namespace()
         degrees = [k for k in ("replicas_per_process", "replicas", "pipelines", "tensor") if k in strategy.init_args]
         if all(init_args.get(k, 1) == strategy.init_args[k] for k in degrees):
-            merged = init_args.clone()
-            for key, value in vars(strategy.init_args).items():
-                merged[key] = value
-            return Namespace(class_path=strategy.class_path, init_args=merged)
+            return Namespace(class_path=strategy.class_path, init_args=Namespace(**{**vars(init_args),
+                                                                                    **vars(strategy.init_args)}))
     name = configured.get("class_path") if isinstance(configured, Namespace) else configured
     raise ValueError(f"trainer.strategy ({name}, with its own degrees) and {words} both say how the run is split, and "
                      "they disagree: give the degrees once, in layout (adding --trainer.strategy auto "
