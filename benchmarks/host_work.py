@@ -16,7 +16,9 @@ on the device, so what shows here shows on a GPU too. Five rows, each ms per opt
 - the seed loop: the d2l.ai "Training on Multiple GPUs" `train_batch` written plainly on 2 replicas: split the batch,
   forward each replica on its shard, one backward of the shards' weighted losses, add replica 1's gradients into
   replica 0's, step replica 0, copy its parameters to replica 1;
-- ours 1 x 2: the app with `configs/strategy/split_allreduce.yaml`.
+- ours 1 x 2: the app with `configs/strategy/split_allreduce.yaml`;
+- the app, no step saves: the app with the recipe's mid-epoch saves of last.ckpt turned off (LastCheckpoint's
+  `every_n_train_steps: 0`, a copy of configs/lenet.yaml), to show what those saves (every 50 steps) cost a step.
 
 Every round runs every row once per batch, in an order that rotates from round to round, and the table gives each
 row's median over the rounds, with two ratios: the app / plain Lightning, and what a second replica adds under
@@ -148,7 +150,7 @@ def plain_step(net: nn.Module, recipe: dict, batch: int, precision: str, compile
     return window.seconds / timed * 1e3
 
 
-ROWS = ("bare", "plain Lightning", "the app", "seed loop, 2 replicas", "ours 1 x 2")
+ROWS = ("bare", "plain Lightning", "the app", "seed loop, 2 replicas", "ours 1 x 2", "the app, no step saves")
 
 
 class Window(pl.Callback):
@@ -235,9 +237,10 @@ def seed_loop_step(batch: int, warmup: int, timed: int) -> float:
     return _timed_loop(step, warmup, timed)
 
 
-def app_step(batch: int, warmup: int, timed: int, root: str, overlay: list[str]) -> float:
-    """ms per step of a real CLI fit of configs/lenet.yaml (plus `overlay`) at global batch `batch`, one thread,
-    no validation, its output silenced."""
+def app_step(batch: int, warmup: int, timed: int, root: str, overlay: list[str],
+             config: str = "configs/lenet.yaml") -> float:
+    """ms per step of a real CLI fit of `config` (plus `overlay`) at global batch `batch`, one thread, no validation,
+    its output silenced."""
     from src.cli import main as cli_main
 
     # the class as the CLI imports it by its path: under `python -m` this file is also `__main__`, whose Window is
@@ -246,7 +249,7 @@ def app_step(batch: int, warmup: int, timed: int, root: str, overlay: list[str])
     window.WARMUP, window.TIMED, window.seconds = warmup, timed, float("nan")
     with tempfile.TemporaryDirectory(prefix="host-work-logs-") as logs, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        cli_main(["fit", "--config", "configs/lenet.yaml", *overlay, "--threads", "1",
+        cli_main(["fit", "--config", config, *overlay, "--threads", "1",
                   "--data.data_dir", root, "--data.download", "false", "--data.batch_size", str(batch),
                   "--trainer.max_steps", str(warmup + timed + 1), "--trainer.limit_val_batches", "0",
                   "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
@@ -254,9 +257,25 @@ def app_step(batch: int, warmup: int, timed: int, root: str, overlay: list[str])
     return window.seconds / timed * 1e3
 
 
+def _last_checkpoint(config: dict) -> dict:
+    """The init_args of a config's LastCheckpoint (the recipe's saves of last.ckpt), as a part of `config`."""
+    return next(c["init_args"] for c in config["trainer"]["callbacks+"]
+                if c["class_path"] == "src.callbacks.LastCheckpoint")
+
+
+def _no_step_saves(folder: str) -> str:
+    """A copy of configs/lenet.yaml in `folder` whose LastCheckpoint saves at epoch ends only; its path."""
+    config = yaml.safe_load(open("configs/lenet.yaml"))
+    _last_checkpoint(config)["every_n_train_steps"] = 0
+    path = Path(folder) / "lenet-no-step-saves.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 def measure(batches: list[int], rounds: int, warmup: int, timed: int, root: str) -> dict[int, dict[str, list[float]]]:
     """ms per step of every row at every batch, `rounds` times, the rows' order rotated each round."""
     recipe = _recipe()
+    no_step_saves = _no_step_saves(root)
     rows: dict[str, Callable[[int], float]] = {
         "bare": lambda b: bare_step(b, warmup, timed),
         "plain Lightning": lambda b: _plain(recipe, b, warmup, timed),
@@ -264,6 +283,7 @@ def measure(batches: list[int], rounds: int, warmup: int, timed: int, root: str)
         "seed loop, 2 replicas": lambda b: seed_loop_step(b, warmup, timed),
         "ours 1 x 2": lambda b: app_step(b, warmup, timed, root,
                                          ["--config", "configs/strategy/split_allreduce.yaml"]),
+        "the app, no step saves": lambda b: app_step(b, warmup, timed, root, [], config=no_step_saves),
     }
     times: dict[int, dict[str, list[float]]] = {b: {name: [] for name in ROWS} for b in batches}
     for r in range(rounds):
@@ -353,8 +373,7 @@ def parts(batch: int) -> list[tuple[str, float]]:
     opt.step()
     checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [opt.state_dict()],
                   "lr_schedulers": [sched.state_dict()], "hyper_parameters": dict(module.hparams)}
-    every = next(c["init_args"]["every_n_train_steps"] for c in yaml.safe_load(open("configs/lenet.yaml"))["trainer"]
-                 ["callbacks+"] if c["class_path"] == "src.callbacks.LastCheckpoint")
+    every = _last_checkpoint(yaml.safe_load(open("configs/lenet.yaml")))["every_n_train_steps"]
     with tempfile.TemporaryDirectory(prefix="host-work-ckpt-") as folder:
         io_ = AtomicCheckpointIO()
         save_ms = _us_per_call(lambda: io_.save_checkpoint(checkpoint, Path(folder) / "last.ckpt"), calls=10) / 1e3
@@ -377,6 +396,8 @@ def table(times: dict[int, dict[str, list[float]]]) -> list[str]:
     lines += [f"| {name} | " + " | ".join(f"{med[b][name]:.2f}" for b in batches) + " |" for name in ROWS]
     lines.append("| **the app / plain Lightning** | " + " | ".join(
         f"**{med[b]['the app'] / med[b]['plain Lightning']:.2f}**" for b in batches) + " |")
+    lines.append("| the app, no step saves / plain Lightning | " + " | ".join(
+        f"{med[b]['the app, no step saves'] / med[b]['plain Lightning']:.2f}" for b in batches) + " |")
     added = {b: (med[b]["ours 1 x 2"] - med[b]["the app"], med[b]["seed loop, 2 replicas"] - med[b]["bare"])
              for b in batches}
     lines.append("| **a second replica: ours / the seed loop** | " + " | ".join(

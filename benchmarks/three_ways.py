@@ -23,7 +23,8 @@ steps after the first `--warmup`:
   (tcp_info, read with `ss -tinp`) over the measured steps, divided by their number: every collective and
   point-to-point message of gloo;
 - step time: the median of rank 0's steps, and its ratios to one device's and to one core's in the same run
-  (medians over rounds).
+  (medians over rounds); a trial's ranks also report each step's CPU seconds (`cpu_ms`: the process's user and
+  system time, all its threads), what processes sharing cores share.
 
 For the pipeline, one more trial of each schedule records its steps with `src.callbacks.StepTimeline`: the
 stages' median idle fraction of the schedule's window (`src.timeline.pipeline_picture`), beside the bubble
@@ -43,7 +44,10 @@ and the TCP counters):
                      "bytes_sent_per_step": ..., "idle_fraction": ... | null}, ...],
        "step_ms": ..., "step_ratio": ..., "step_ratio_one_core": ..., "bubble": ... | null}]}
 
-A pipeline row may also give `"tensor": T`, its processes per stage (1 when absent).
+A pipeline row may also give `"tensor": T`, its processes per stage, and `"pipelines": D`, its pipelines side by
+side; a tensor-parallel row `"replicas": D`, its replicas side by side (each 1 when absent). `predict_row`'s
+`shared_cores` predicts a row whose processes outnumber the machine's cores with them sharing the cores
+(`Setting.cores`).
 
 `batch` is the global batch: every process of a pipeline or of a tensor-parallel group sees all of it, data
 parallelism splits it. A row's `cuts` of null is the forecast's own auto cut (the strategy's `auto` balances the
@@ -51,6 +55,7 @@ blocks' multiply-adds and may cut elsewhere: give the cut it chose).
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -75,9 +80,11 @@ from src.scaling.three_ways import Layout, LayoutFigures, cut_starts_of, predict
 
 warnings.filterwarnings("ignore")
 WAYS = ("one_device", "one_core", "data", "pipeline_gpipe", "pipeline_1f1b", "tensor_parallel")
-#: trials `--one` runs but `--ways` does not: a GPipe pipeline of 2 stages of 2 tensor-parallel processes each (1 x 2 x
-#: 2 on 4 processes, the cut given by --cuts), for tests/test_forecast_three_ways.py's slow check of that layout
-ONE_ONLY = ("pipeline_gpipe_t2",)
+#: trials `--one` runs but `--ways` does not, each on 4 processes (data x pipeline x tensor), for
+#: tests/test_forecast_three_ways.py's slow check of the 2-D layouts: a GPipe pipeline of 2 stages of 2
+#: tensor-parallel processes each (1 x 2 x 2, the cut given by --cuts), 2 GPipe pipelines of 2 stages side by side
+#: (2 x 2 x 1) and 2 tensor-parallel replicas of 2 shares (2 x 1 x 2)
+ONE_ONLY = ("pipeline_gpipe_t2", "pipeline_gpipe_d2", "tensor_parallel_d2")
 VAL_SIZE = 1000  # images held out of the synthetic training set (not evaluated: limit_val_batches=0)
 MMAP_THRESHOLD = "65536"  # bytes: glibc maps blocks this large on their own (malloc(3), M_MMAP_THRESHOLD)
 
@@ -126,10 +133,11 @@ class Probe(pl.Callback):
     def __init__(self, report: str, warmup: int) -> None:
         self.report, self.warmup = Path(report), warmup
         self.seconds: list[float] = []
+        self.cpu: list[float] = []
         self.rises: list[int] = []
         self.sent: list[int] = []
         self.held: dict[str, int] = {}
-        self._t = 0.0
+        self._t = self._cpu = 0.0
         self._rss = 0
         self._batch = 0
 
@@ -138,13 +146,14 @@ class Probe(pl.Callback):
             self.sent.append(tcp_bytes_sent(os.getpid()))
         Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident set
         self._rss = proc_status("VmRSS")
-        self._t = time.perf_counter()
+        self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        seconds = time.perf_counter() - self._t
+        seconds, cpu = time.perf_counter() - self._t, time.process_time() - self._cpu
         rise = proc_status("VmHWM") - self._rss
         if self._batch >= self.warmup:
             self.seconds.append(seconds)
+            self.cpu.append(cpu)
             self.rises.append(rise)
         self._batch += 1
         params = list(pl_module.parameters())
@@ -161,7 +170,8 @@ class Probe(pl.Callback):
         steps = len(self.seconds)
         figures = {"rank": trainer.global_rank, **self.held, "activation_peak": int(statistics.median(self.rises)),
                    "bytes_sent_per_step": (self.sent[-1] - self.sent[0]) / steps, "step_ms": [s * 1e3 for s in
-                                                                                               self.seconds]}
+                                                                                               self.seconds],
+                   "cpu_ms": [s * 1e3 for s in self.cpu]}
         self.report.mkdir(parents=True, exist_ok=True)
         (self.report / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))
 
@@ -174,11 +184,13 @@ def strategy_for(way: str, args: argparse.Namespace) -> Any:
         return None
     if way == "data":
         return SplitAllreduceStrategy()
-    if way == "tensor_parallel":
-        return TensorParallelStrategy()
+    if way in ("tensor_parallel", "tensor_parallel_d2"):
+        return TensorParallelStrategy(replicas=2 if way.endswith("_d2") else 1)
     cuts = json.loads(args.cuts) if args.cuts else "auto"
     if way == "pipeline_gpipe_t2":  # cuts must be named with tensor above 1
         return PipelineStrategy(cuts=cuts, n_microbatches=args.microbatches, schedule="gpipe", tensor=2)
+    if way == "pipeline_gpipe_d2":
+        return PipelineStrategy(pipelines=2, cuts=cuts, n_microbatches=args.microbatches, schedule="gpipe")
     return PipelineStrategy(cuts=cuts, n_microbatches=args.microbatches, schedule=way.removeprefix("pipeline_"))
 
 
@@ -248,7 +260,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                "cuts": json.loads(args.cuts) if schedule else None, "precision": "32-true",
                "optimizer": "sgd_momentum", "step_ms": step, "step_ratio": step / one_device if one_device else None,
                "step_ratio_one_core": step / one_core if one_core else None,
-               "per_rank": [{k: v for k, v in rank.items() if k != "step_ms"} for rank in last[way]]}
+               "per_rank": [{k: v for k, v in rank.items() if k not in ("step_ms", "cpu_ms")} for rank in last[way]]}
         if schedule:
             p, m = 2, args.microbatches
             row["bubble"] = (p - 1) / (m + p - 1)
@@ -317,12 +329,12 @@ _MEMORY_PRECISION = {"32-true": "fp32", "64-true": "fp64", "bf16-mixed": "fp32",
 #: measured; None: reported only. `WAY_TOLERANCES` overrides it for one way, `ABSOLUTE` bounds a share's difference
 #: instead. benchmarks/three_ways.json of 2026-11-29 on the 2-core CPU, the compute from the one-core row, a
 #: pipeline's split by timed block costs and tensor parallelism's work by a share's step timed under the plan (each
-#: timed anew in each process, so those figures move from run to run; runs of 2026-12-02 on a loaded 2-core CPU):
-#: model state exact, bytes sent within 0.9%, the rise predicted at 0.47-1.00 of the measured (temporaries are not
-#: counted); the step of data parallelism -15% (LeNet) and -0% (ResNet-18), of the pipelines +5% to +11% and -15%
-#: to -4%; tensor parallelism's 0.70-0.72 and 0.86-0.88 of the measured (its allreduces' waits beyond the link's
-#: time are not counted); the stages' mean idle share 0.44-0.48 against 0.29-0.32 (LeNet) and 0.28-0.34 against
-#: 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and
+#: timed anew in each process in CPU seconds, so those figures move a little from run to run; four runs of
+#: 2026-12-05 on the 2-core CPU, two of them beside 4 busy processes): model state exact, bytes sent within 0.9%,
+#: the rise predicted at 0.47-1.00 of the measured (temporaries are not counted); the step of data parallelism -15%
+#: (LeNet) and -0% (ResNet-18), of the pipelines -6% to +2% and -8% to -4%; tensor parallelism's 0.72-0.79 and
+#: 0.92-0.94 of the measured (its allreduces' waits beyond the link's time are not counted); the stages' mean idle
+#: share 0.38-0.42 against 0.29-0.32 (LeNet) and 0.34 against 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and
 #: 0.29 under GPipe), the timed blocks give its first stage 0.65-0.78 idle.
 TOLERANCES = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "bytes_sent_per_step": 0.02,
               "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": 0.2, "step_vs_one_core": 0.2,
@@ -368,17 +380,17 @@ def _layout(row: dict, profile: object) -> Layout:
     if way == "pipeline":
         cuts = row.get("cuts")
         starts = None if not cuts else cut_starts_of(profile, cuts)
-        return Layout("pipeline", p, 1, 0, row.get("schedule") or "gpipe", int(row.get("microbatches") or 1), starts,
-                      int(row.get("tensor") or 1))
+        return Layout("pipeline", p, int(row.get("pipelines") or 1), 0, row.get("schedule") or "gpipe",
+                      int(row.get("microbatches") or 1), starts, int(row.get("tensor") or 1))
     if way == "tensor_parallel":
-        return Layout("tensor_parallel", p)
+        return Layout("tensor_parallel", p, int(row.get("replicas") or 1))
     raise ValueError(f"unknown way {way!r} in a measured row; known: one_device, one_core, data, pipeline, "
                      "tensor_parallel")
 
 
 def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
                 link_rate: str | None = None, block_costs: tuple[float, ...] | None = None,
-                tensor_work: tuple[tuple[int, float], ...] = (),
+                tensor_work: tuple[tuple[int, float], ...] = (), shared_cores: int | None = None,
                 **overrides: float | None) -> tuple[LayoutFigures, LayoutFigures]:
     """Predict a measured row's layout and one device's step at the same global batch.
 
@@ -391,6 +403,8 @@ def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAU
             multiply-adds.
         tensor_work: Tensor parallelism's (shares, work) pairs (`Setting.tensor_work`); empty: the
             multiply-adds'.
+        shared_cores: The cores of the one machine all the row's processes ran on, as this harness's trials run
+            (`Setting.cores`: processes beyond them share them); None: the processes on the preset's nodes.
         **overrides: More of the forecast's overrides (`src.scaling.sources.Overrides`), e.g. a measured
             `seconds_per_image` and `overhead_s` of one process's step.
 
@@ -414,6 +428,8 @@ def predict_row(row: dict, hardware: str = "cpu-2core", calibration: str = DEFAU
     setting = predict(question, Overrides(link_rate=link_rate, **overrides), Paths(calibration=calibration)).setting
     setting = replace(setting, activation_bytes=8 if precision == "64-true" else 4, block_costs=block_costs,
                       tensor_work=tensor_work)
+    if shared_cores is not None:  # every process of the row on one machine, all on its loopback
+        setting = replace(setting, per_node=int(row["processes"]), cores=shared_cores)
     model = _experiment(config)["model"]
     profile = profile_network(model["class_path"], model.get("init_args"))
     return (predict_layout(profile, _layout(row, profile), batch, setting),
@@ -467,35 +483,44 @@ def _one_core_compute(rows: list[dict], row: dict, hardware: str, calibration: s
 
 
 def _timed_costs(row: dict) -> tuple[float, ...]:
-    """Each block's forward and backward timed here at one thread, on a micro-batch of the row's pipeline (or
-    half its batch)."""
+    """Each block's forward and backward timed here at one thread, on a micro-batch of the row's pipeline (its
+    share of the global batch over its micro-batches; half the batch without them): once per model and micro-batch
+    in a process, so the rows of two schedules of one pipeline are split by the same costs."""
+    samples = int(row["batch"]) // int(row.get("pipelines") or 1) // int(row.get("microbatches") or 2)
+    return _block_costs(row["model"], max(1, samples))
+
+
+@functools.cache
+def _block_costs(model_name: str, samples: int) -> tuple[float, ...]:
     from src.scaling.layer_profile import timed_block_costs
     from src.scaling.predictor import _experiment
 
-    model = _experiment(MODEL_CONFIGS[row["model"]])["model"]
-    samples = int(row["batch"]) // int(row.get("microbatches") or 2)
-    return timed_block_costs(model["class_path"], model.get("init_args"), samples=max(1, samples))
+    model = _experiment(MODEL_CONFIGS[model_name])["model"]
+    return timed_block_costs(model["class_path"], model.get("init_args"), samples=samples)
 
 
 #: the model's arguments in `one`'s trials (the class's defaults otherwise: contiguous NCHW, no channels_last)
 TRIAL_INIT_ARGS = {"lr": 0.01, "momentum": 0.9}
 
 
-def timed_tensor_work(row: dict, init_args: dict | None = None) -> tuple[tuple[int, float], ...]:
+def timed_tensor_work(row: dict, init_args: dict | None = None, repeats: int = 9) -> tuple[tuple[int, float], ...]:
     """Tensor parallelism's work at the row's shares: one process's step under the plan over the whole network's,
-    timed here at one thread on the row's whole batch (`src.scaling.layer_profile.timed_tensor_share`), the model
-    built with `init_args` (None: as this harness's trials build it, `TRIAL_INIT_ARGS`)."""
+    timed here at one thread on the row's whole batch (`src.scaling.layer_profile.timed_tensor_share`, the median
+    of `repeats` pairs), the model built with `init_args` (None: as this harness's trials build it,
+    `TRIAL_INIT_ARGS`)."""
     from src.scaling.layer_profile import timed_tensor_share
     from src.scaling.predictor import _experiment
 
     model = _experiment(MODEL_CONFIGS[row["model"]])["model"]
     shares = int(row["processes"]) // int(row.get("replicas") or 1)
     args = TRIAL_INIT_ARGS if init_args is None else init_args
-    return ((shares, timed_tensor_share(model["class_path"], args, samples=int(row["batch"]), shares=shares)),)
+    return ((shares, timed_tensor_share(model["class_path"], args, samples=int(row["batch"]), shares=shares,
+                                        repeats=repeats)),)
 
 
 def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibration: str = DEFAULT_CALIBRATION,
-                          link_rate: str | None = None, block_costs: str = "macs") -> list[dict]:
+                          link_rate: str | None = None, block_costs: str = "macs",
+                          tensor_repeats: int = 9) -> list[dict]:
     """Every measured figure of benchmarks/three_ways.json next to its prediction.
 
     Where the file has a `one_core` row of a model (one process of one thread), its step calibrates the compute of
@@ -512,6 +537,7 @@ def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibra
             shares: "macs" (multiply-adds) or "timed" (each block's forward and backward timed on this machine,
             `src.scaling.layer_profile.timed_block_costs`; a tensor-parallel share's step timed under the plan,
             `timed_tensor_work`).
+        tensor_repeats: Timed pairs of a tensor-parallel share's step and the whole network's, with "timed".
 
     Returns:
         One dict per (row, rank, quantity) and per (row, quantity) of the step: row (its index), model, way,
@@ -534,7 +560,7 @@ def compare_with_measured(path: str | Path, hardware: str = "cpu-2core", calibra
         compute = _one_core_compute(rows, row, hardware, calibration)
         timed = block_costs == "timed"
         costs = _timed_costs(row) if timed and row["way"] == "pipeline" else None
-        work = timed_tensor_work(row) if timed and row["way"] == "tensor_parallel" else ()
+        work = timed_tensor_work(row, repeats=tensor_repeats) if timed and row["way"] == "tensor_parallel" else ()
         figures, one = predict_row(row, hardware, calibration, link_rate, costs, work, **compute)
         ranks = {r.rank: r for r in figures.ranks}
         for measured in row["per_rank"]:

@@ -13,7 +13,8 @@ OVERLAYS = ("defaults.yaml", "profile.yaml", "fast_gpu.yaml")
 CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name not in OVERLAYS)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if "resnet18" in c else c
+                                    for c in CONFIGS])  # ResNet-18's 2 steps: 11 s each on a loaded 2-core CPU
 def test_config_fits_and_tests(config, fast_args, tmp_path):
     # a GPU config on the CPU in float32: in bf16-mixed it took 62 s of the suite (2-core AMD EPYC, 3 workers)
     # against 14 s for configs/resnet18.yaml's float32, the same steps; tests/test_gpu.py runs its bf16 on a GPU

@@ -166,6 +166,27 @@ def test_data_parallel_model_state_is_zero_s():
     assert fig.ranks[0].bytes_sent_per_step == 1.5 * 129_068 * 4  # stage 3 gathers the parameters too
 
 
+def test_processes_that_outnumber_the_cores_share_their_compute():
+    """4 processes on 2 shared cores: data and tensor parallelism compute at once, so their compute doubles before
+    the exchange; a pipeline's step is no shorter than its processes' busy seconds over the cores plus what follows
+    (nothing here), or its schedule's window where that is longer; a core to each process changes nothing."""
+    toy, own = _toy(), _setting(beta=1e-3)
+    shared = replace(own, cores=2)
+    for layout in (Layout("data", 4), Layout("tensor_parallel", 4, 2)):
+        alone, sharing = (predict_layout(toy, layout, 8, st) for st in (own, shared))
+        assert sharing.step_s == pytest.approx(alone.step_s + alone.compute_s)  # 4 / 2 x the compute + the rest
+        assert [r.busy_s for r in sharing.ranks] == [alone.compute_s] * 4
+    gpipe = Layout("pipeline", 4, 2, 0, "gpipe", 2, (2,))
+    alone, sharing = (predict_layout(toy, gpipe, 8, st) for st in (_setting(), replace(_setting(), cores=2)))
+    busy = [r.busy_s for r in alone.ranks]
+    # each stage: 2 micro-batches of 2 samples through 2 blocks of 0.25 s a sample (1 s an image for the 4 blocks)
+    assert busy == [2.0] * 4
+    assert alone.step_s == pytest.approx(1 + 1 + (2 - 1) * 1)  # the stages' times + (m - 1) x the slowest's
+    assert sharing.step_s == pytest.approx(sum(busy) / 2) == 4.0  # longer than the window
+    for cores in (3, 4):  # 8 busy seconds over 3 cores (2.67 s) are shorter than the window; 4: a core each
+        assert predict_layout(toy, gpipe, 8, replace(_setting(), cores=cores)).step_s == alone.step_s
+
+
 def test_lenet_pipeline_cut_at_features_3():
     lenet = profile_network(LENET)
     fig = predict_layout(lenet, Layout("pipeline", 2, 1, 0, "gpipe", 4, (3,)), 128, _setting())
@@ -545,6 +566,8 @@ def _inside(entry: dict) -> bool | None:
     return None  # each stage's idle share: reported only
 
 
+@pytest.mark.slow(compute="times each pipeline's blocks and tensor parallelism's shares of LeNet and ResNet-18 "
+                          "on this CPU: 37 s of the 274 s `-m \"not slow\"` took on 2 workers, 2026-12-03")
 def test_the_forecast_against_the_measured_rows_of_the_three_ways():
     """benchmarks/three_ways.json holds what benchmarks/three_ways.py measured (LeNet and ResNet-18, one device, one
     core and each way on 2 processes of the 2-core CPU). With the compute of one core measured in the same run and
@@ -554,7 +577,9 @@ def test_the_forecast_against_the_measured_rows_of_the_three_ways():
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "three_ways.json"
-    entries = compare_with_measured(path, block_costs="timed")
+    # a share's step timed in 3 pairs, not 9: ResNet-18's 9 took 57 s of this test's 70 on a 2-core CPU; the pairs'
+    # median ratio holds under other load, and the bound is the same
+    entries = compare_with_measured(path, block_costs="timed", tensor_repeats=3)
     assert {(e["model"], e["way"], e["schedule"]) for e in entries} == {
         (m, w, s) for m in ("lenet", "resnet18")
         for w, s in (("one_device", None), ("one_core", None), ("data", None), ("pipeline", "gpipe"),
@@ -570,46 +595,68 @@ def test_the_forecast_against_the_measured_rows_of_the_three_ways():
     assert not outside, outside
 
 
+#: the 2-D layouts on 4 processes: (benchmarks/three_ways.py's trial, the measured row's layout, its label)
+FOUR_PROCESS_ROWS = {
+    "pipeline_gpipe_t2": ({"way": "pipeline", "schedule": "gpipe", "cuts": ["classifier"], "tensor": 2},
+                          "pipeline 1x2x2 gpipe m4"),
+    "pipeline_gpipe_d2": ({"way": "pipeline", "schedule": "gpipe", "cuts": ["classifier"], "pipelines": 2},
+                          "pipeline 2x2 gpipe m4"),
+    "tensor_parallel_d2": ({"way": "tensor_parallel", "replicas": 2}, "tensor 2x2"),
+}
+
+
 @pytest.mark.slow
-def test_a_1x2x2_lenet_run_against_the_forecast(tmp_path):
-    """LeNet as 1 pipeline x 2 stages x 2 tensor-parallel processes (cut at `classifier`, GPipe, 4 micro-batches,
-    global batch 128) trained by benchmarks/three_ways.py on 4 gloo processes of one thread, 8 steps, the last 5
-    measured, against the forecast of that layout, its compute from one process of one thread measured in the same
-    test and split as `--block_costs timed` splits it (the blocks timed here, a share's step timed under the plan),
-    as the 2-process rows are compared. Bounds: parameters, gradients and momentum exact per process; bytes sent per
-    step within 2% (the doc's bound for the 2-process layouts); the step predicted at most 1.2 of the measured, and
-    no lower bound is held, as the forecast reads 0.2-0.5 of this machine's step: the 4 processes share its 2 cores
-    (each forecast process has a core of its own, so the measured compute is about twice the forecast's), the waits
-    of the 4 allreduces per micro-batch beyond the link's time and the schedule's per-micro-batch Python are not
-    counted (tensor parallelism's row alone: 0.6-1.2), and a 4-process step moves with the machine's other load more
-    than one process's (2026-12-02: 0.36 and 0.53 at a load average of 3.7-4.5, 0.20 at 4.7). The upper bound is the
-    firm one: what the forecast leaves out only adds time."""
+def test_the_2d_layouts_on_4_processes_against_the_forecast(tmp_path):
+    """LeNet at a global batch of 128 as 1 pipeline x 2 stages x 2 tensor-parallel processes, 2 pipelines x 2 stages,
+    and 2 tensor-parallel replicas x 2 shares (GPipe, 4 micro-batches, cut at `classifier`), each trained by
+    benchmarks/three_ways.py on 4 gloo processes of one thread for 8 steps, the last 5 measured, against the
+    forecast of that layout on 4 processes sharing the CPU's 2 cores (`Setting.cores`), its compute the CPU seconds
+    of one process of one thread measured in the same test, split as `--block_costs timed` splits it.
+
+    Bounds, per layout: parameters, gradients and momentum exact per process; bytes sent per step within 2%; the
+    processes' compute (the predicted busy seconds, summed) at 0.4-1.4 of the CPU seconds they took (the measure
+    that sharing cores divides; each the least of a step's, as load only adds to it). On a quiet 2-core CPU,
+    2026-12-03: 0.61 for 1 x 2 x 2, 0.71 for 2 x 2 x 1, 0.81 for 2 x 1 x 2 (three earlier runs from median steps:
+    0.64-0.68, 0.74-0.80, 0.83-0.91), as a stage's CPU per micro-batch beyond its layers' is not predicted;
+    beside two workers of the resume matrix 0.65, 0.69, 0.83.
+    The bound leaves room for the machine's speed drifting between a one-core trial and the next, and fails a
+    compute counted twice or half. The step predicted at most 1.2 of the measured (what the forecast leaves out
+    only adds time; on the quiet CPU 0.54-0.61, 0.64-0.79 and 0.76-0.90, where each process given a core of its
+    own read 0.20-0.53 for 1 x 2 x 2), with no lower bound held, as a step of 4 processes moves with the
+    machine's other load."""
     from argparse import Namespace
 
     from benchmarks.three_ways import VAL_SIZE, _one_core_compute, _timed_costs, data_dir, predict_row, trial
-    from src.scaling.sources import DEFAULT_CALIBRATION
     from src.scaling.layer_profile import timed_tensor_share
+    from src.scaling.sources import DEFAULT_CALIBRATION
 
     args = Namespace(model="lenet", batch=128, steps=8, warmup=3, microbatches=4, cuts='["classifier"]',
                      data=data_dir(128 * 9 + VAL_SIZE, tmp_path / "data"))
-    ranks = trial(args, "pipeline_gpipe_t2", tmp_path / "run")
-    core = trial(args, "one_core", tmp_path / "core")[0]
-    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
-    row = {"model": "lenet", "way": "pipeline", "schedule": "gpipe", "processes": 4, "batch": 128,
-           "microbatches": 4, "cuts": ["classifier"], "tensor": 2, "precision": "32-true",
-           "optimizer": "sgd_momentum"}
     median = lambda steps: sorted(steps)[len(steps) // 2]  # noqa: E731
-    one_core = {"model": "lenet", "way": "one_core", "batch": 128, "step_ms": median(core["step_ms"]),
-                "optimizer": "sgd_momentum"}
     work = ((2, timed_tensor_share(LENET, {"lr": 0.01, "momentum": 0.9}, samples=128, shares=2)),)
-    predicted, _ = predict_row(row, block_costs=_timed_costs(row), tensor_work=work,
-                               **_one_core_compute([one_core], row, "cpu-2core", DEFAULT_CALIBRATION))
-    assert predicted.layout.label() == "pipeline 1x2x2 gpipe m4"
-    for measured, figure in zip(ranks, predicted.ranks):
-        for quantity in MODEL_STATE:
-            assert measured[quantity] == getattr(figure, quantity), (measured["rank"], quantity)
-        assert measured["bytes_sent_per_step"] == pytest.approx(figure.bytes_sent_per_step, rel=0.02), measured
-    step_ms = median(ranks[0]["step_ms"])
-    print(f"1x2x2: predicted {predicted.step_s * 1e3:.1f} ms, measured {step_ms:.1f} ms; one core "
-          f"{one_core['step_ms']:.1f} ms")
-    assert step_ms > 1.0 and predicted.step_s * 1e3 / step_ms <= 1.2, (predicted.step_s * 1e3, step_ms)
+    seen = {}
+    for way, (layout, label) in FOUR_PROCESS_ROWS.items():
+        # one core's compute from its CPU seconds, measured just before the layout's trial: under the suite's other
+        # workers a core's speed drifts within a minute (one clean-clone CI read busy / CPU 0.74-1.26 from one
+        # one-core trial for all three), and the wall time also counts the waits for a core. The least of a step's
+        # CPU seconds, here and in the processes, as load only adds to them.
+        core = trial(args, "one_core", tmp_path / f"core-{way}")[0]
+        one_core = {"model": "lenet", "way": "one_core", "batch": 128, "step_ms": min(core["cpu_ms"]),
+                    "optimizer": "sgd_momentum"}
+        ranks = trial(args, way, tmp_path / way)
+        assert [r["rank"] for r in ranks] == [0, 1, 2, 3], way
+        row = {"model": "lenet", "processes": 4, "batch": 128, "microbatches": 4, "precision": "32-true",
+               "optimizer": "sgd_momentum", **layout}
+        predicted, _ = predict_row(row, block_costs=_timed_costs(row), tensor_work=work, shared_cores=2,
+                                   **_one_core_compute([one_core], row, "cpu-2core", DEFAULT_CALIBRATION))
+        assert predicted.layout.label() == label
+        for measured, figure in zip(ranks, predicted.ranks):
+            for quantity in MODEL_STATE:
+                assert measured[quantity] == getattr(figure, quantity), (way, measured["rank"], quantity)
+            assert measured["bytes_sent_per_step"] == pytest.approx(figure.bytes_sent_per_step, rel=0.02), way
+        busy = sum(r.busy_s for r in predicted.ranks) * 1e3 / sum(min(r["cpu_ms"]) for r in ranks)
+        step_ms = median(ranks[0]["step_ms"])
+        seen[label] = (round(busy, 2), round(predicted.step_s * 1e3 / step_ms, 2))
+        print(f"{label}: predicted {predicted.step_s * 1e3:.1f} ms, measured {step_ms:.1f} ms; busy / CPU {busy:.2f}")
+        assert step_ms > 1.0 and predicted.step_s * 1e3 / step_ms <= 1.2, seen
+    assert all(0.4 <= busy <= 1.4 for busy, _ in seen.values()), seen

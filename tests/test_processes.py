@@ -179,3 +179,42 @@ def test_sync_batchnorm_across_processes_equals_one_device(tiny_data_dir, tmp_pa
     for replicas in states:
         for state in replicas:
             assert _state_diff(state, states[0][0]) == 0.0
+
+
+@pytest.mark.slow(compute="forks 100 children with os.fork, which the process guard does not watch: 7 s")
+def test_threads_of_a_forked_child_use_autograd_at_once_after_settle_after_fork():
+    """Forked children that each run two threads of forward and backward at once (as a lockstep step under sync
+    BatchNorm does) all exit 0 once `settle_after_fork` ran in them. Without it about 1 in 20 such children died of a
+    SIGSEGV in autograd's engine, rebuilt by both threads at once (see `settle_after_fork`)."""
+    import os
+    import threading
+
+    from torch import nn
+
+    from src.strategies.processes import settle_after_fork
+
+    nets = [nn.Sequential(nn.Conv2d(1, 6, 5), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(6 * 12 * 12, 10)).double()
+            for _ in range(2)]
+    x = torch.randn(8, 1, 28, 28, dtype=torch.float64)
+    nets[0](x).sum().backward()  # the parent has used autograd's engine before it forks, as the suite's tests have
+
+    def work(k: int) -> None:
+        for _ in range(20):
+            nets[k](x).sum().backward()
+
+    statuses = []
+    for _ in range(100):
+        pid = os.fork()
+        if pid == 0:  # the child: settle, then two threads at once; any exception exits non-zero
+            code = 1
+            try:
+                settle_after_fork()
+                thread = threading.Thread(target=work, args=(1,))
+                thread.start()
+                work(0)
+                thread.join()
+                code = 0
+            finally:
+                os._exit(code)
+        statuses.append(os.waitpid(pid, 0)[1])
+    assert statuses == [0] * 100, [os.waitstatus_to_exitcode(s) for s in statuses if s]

@@ -1,12 +1,17 @@
-"""Every checkpoint resumes under every strategy: a 2-step run's last.ckpt of each strategy, resumed for 2 more steps
-under each strategy (docs/troubleshooting.md, "Resuming").
+"""Every checkpoint resumes under every strategy (docs/troubleshooting.md, "Resuming"): a 2-step run's last.ckpt of
+each strategy is the same checkpoint but for what it holds of its own run (its folder, its number of processes),
+and one of each number of processes, resumed for 2 more steps under each strategy, resumes right. What a resume
+does with a checkpoint depends on its keys, its tensors' dtypes and shapes and its other values, not on the
+numbers in its tensors, so a checkpoint alike in all of those resumes alike.
 
 A resume must start from the checkpoint's weights and optimizer state, each state at its own parameter (as the
 target strategy would save them again at the start of training, `StateAtStart`: the whole model, the state numbered
-by position in the optimizer's groups), then take 2 steps. One test per target strategy, each starting its
-processes once (`tests.helpers.resume_matrix`) for all the checkpoints, so pytest-xdist spreads the targets.
+by position in the optimizer's groups), then take 2 steps. The resumes run once for all targets, in one process for
+the targets of one process and in two for those of two (`tests.helpers.resume_matrix`), so a process start is paid
+per number of processes, not per target; one test per target reads its results.
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -33,7 +38,11 @@ STRATEGIES = {
     "pipeline": ("pipeline_cpu", 2),
     "tensor": ("tensor_parallel_cpu", 2),
 }
-TIMEOUT = 300
+TIMEOUT = 600  # seconds for one driver: six strategies' resumes in turn
+#: what the tests below wait for: a pytest-xdist worker whose test did not start them waits on the others' files
+PROCESSES = "each strategy's 2-step run and the resumes, in the session's fixtures `sources` and `resumed`"
+#: the checkpoints resumed under every strategy: one of a run of one process, one of two (the others are alike)
+RESUMED = ("single", "fsdp-full-shard")
 
 
 def _driver(args: list[str], processes: int) -> list[subprocess.Popen]:
@@ -72,12 +81,19 @@ def _make_sources(root: Path, data_dir: Path) -> dict[str, Path]:
     return {name: f[0] for name, f in found.items()}
 
 
+def _shared(tmp_path_factory) -> Path:
+    """The folder of this pytest session that its pytest-xdist workers share."""
+    base = tmp_path_factory.getbasetemp()  # a pytest-xdist worker's: in the session's, shared by the workers
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "resume-matrix"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory) -> dict[str, Path]:
     """name -> the last.ckpt of a 2-step run under that strategy (and "data" -> the tiny data set's folder); made
     once for all pytest-xdist workers."""
-    base = tmp_path_factory.getbasetemp()  # a pytest-xdist worker's: in the session's, shared by the workers
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "resume-matrix-sources"
+    shared = _shared(tmp_path_factory) / "sources"
     with FileLock(str(shared) + ".lock"):
         done = shared / "done"
         if not done.is_file():
@@ -91,6 +107,22 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         return {name: Path(path) for name, path in (line.split("=", 1) for line in done.read_text().splitlines())}
 
 
+@pytest.fixture(scope="session")
+def resumed(sources, tmp_path_factory) -> Path:
+    """The folder of each target's resumes of `RESUMED` (`<overlay>/<name>.pt`): the targets of one process in one
+    process and those of two in two, both at once; made once for all pytest-xdist workers."""
+    out = _shared(tmp_path_factory) / "resumed"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "done").is_file():
+            started = [_driver([",".join(o for o, p in STRATEGIES.values() if p == processes), str(sources["data"]),
+                                str(out), *(f"{name}={sources[name]}" for name in RESUMED)], processes)
+                       for processes in (1, 2)]
+            for processes in started:
+                _wait(processes, "the resumes")
+            (out / "done").touch()
+    return out
+
+
 def _by_position(optimizer_state: dict) -> list[dict]:
     """Each parameter's state in the order of the groups' parameter lists (how `Optimizer.load_state_dict` pairs
     the saved numbers with the parameters)."""
@@ -101,11 +133,16 @@ def _by_position(optimizer_state: dict) -> list[dict]:
 ONE_DEVICE_NUMBERS = ([[0, 1, 2, 3], [4, 5, 6, 7]], list(range(8)))
 
 
+def _numbering(optimizer_states: list[dict]) -> list[tuple[list, list]]:
+    """Each optimizer's parameter numbers per group and the numbers its state is kept under."""
+    return [([g["params"] for g in o["param_groups"]], sorted(o["state"])) for o in optimizer_states]
+
+
 def _differences(saved: dict, result: dict) -> list[str]:
     """What went wrong: a checkpoint whose optimizer state is not numbered as one device's (each parameter's state
     under its position in the optimizer's groups, as `torch.optim.Optimizer.state_dict` numbers them), the resume's
     exit, its steps, a weight or an optimizer state unlike the checkpoint's."""
-    numbers = [([g["params"] for g in o["param_groups"]], sorted(o["state"])) for o in saved["optimizer_states"]]
+    numbers = _numbering(saved["optimizer_states"])
     wrong = [] if numbers == [ONE_DEVICE_NUMBERS] else [f"the checkpoint's optimizer state numbered {numbers}"]
     if result["code"] != 0:
         return [*wrong, f"exit {result['code']}: {result['error']}"]
@@ -125,19 +162,45 @@ def _differences(saved: dict, result: dict) -> list[str]:
     return wrong
 
 
-@pytest.mark.slow  # starts each strategy's processes
+def _outline(value, run: str) -> object:
+    """`value` (a checkpoint, or a part of it) with each tensor as its dtype and shape and `run` (the run's folder)
+    as "RUN" in every string and key: what a resume can tell apart in two checkpoints but the tensors' numbers."""
+    if isinstance(value, dict):
+        return {_outline(k, run): _outline(v, run) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_outline(v, run) for v in value]
+    if torch.is_tensor(value):
+        return ("tensor", value.dtype, tuple(value.shape))
+    return value.replace(run, "RUN") if isinstance(value, str) else value
+
+
+@pytest.mark.slow(compute=PROCESSES)
+def test_every_strategy_saves_the_same_checkpoint(sources):
+    """Each strategy's checkpoint is one device's in outline (`_outline`): the same keys at every level, each
+    tensor's dtype and shape, and every other value, the optimizer state numbered as one device's; it differs only
+    in its run's folder and, for a run of two processes, in the two values that record them."""
+    outlines = {name: _outline(torch.load(path, weights_only=True), str(path.parents[2]))
+                for name, path in sources.items() if name != "data"}
+    one_device = outlines["single"]
+    assert _numbering(one_device["optimizer_states"]) == [ONE_DEVICE_NUMBERS]
+    two = copy.deepcopy(one_device)
+    two["callbacks"]["RestartReport"]["processes"] = two["intra_op_threads"]["processes_per_node"] = 2
+    unlike = [name for name, outline in outlines.items()
+              if outline != (one_device if STRATEGIES[name][1] == 1 else two)]
+    assert not unlike, f"unlike one device's checkpoint: {unlike}"
+
+
+@pytest.mark.slow(compute=PROCESSES)
 @pytest.mark.parametrize("target", list(STRATEGIES))
-def test_every_checkpoint_resumes_under(target, sources, tmp_path):
-    """Each strategy's checkpoint resumed under `target`: the checkpoint's weights and each parameter's optimizer
-    state at the start of training, then 2 steps (no pair is refused)."""
-    overlay, processes = STRATEGIES[target]
-    _wait(_driver([overlay, str(sources["data"]), str(tmp_path),
-                   *(f"{name}={sources[name]}" for name in STRATEGIES)], processes), f"resuming under {target}")
+def test_every_checkpoint_resumes_under(target, sources, resumed):
+    """The checkpoint of a run of one process and of two (`RESUMED`; every other is alike in outline,
+    test_every_strategy_saves_the_same_checkpoint) resumed under `target`: the checkpoint's weights and each
+    parameter's optimizer state at the start of training, then 2 steps (no pair is refused)."""
+    overlay = STRATEGIES[target][0]
     wrong = {}
-    for name in STRATEGIES:
-        path = sources[name]
-        found = _differences(torch.load(path, weights_only=True), torch.load(tmp_path / f"{name}.pt",
-                                                                             weights_only=True))
+    for name in RESUMED:
+        found = _differences(torch.load(sources[name], weights_only=True),
+                             torch.load(resumed / overlay / f"{name}.pt", weights_only=True))
         if found:
             wrong[name] = found
     assert not wrong, f"resumed under {target}:\n" + "\n".join(f"  from {k}: {v}" for k, v in wrong.items())

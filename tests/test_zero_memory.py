@@ -70,9 +70,11 @@ def test_each_process_holds_its_share_and_stage_1_sends_1_5_times_the_bytes(tmp_
     assert abs(zero["held"] - one["held"] - G / 2) < 3 * MIB, _mib(rows)
     assert zero["held"] - two["held"] > G, _mib(rows)
     assert zero["step_peak"] - two["step_peak"] > G / 2, _mib(rows)
-    # what a forked gloo process holds besides its tensors is the same at every stage
+    # the strategy's count is the measure less a constant: what a forked gloo process maps besides its tensors is
+    # the same at every stage. Its level is the runtime's and the machine's (33-47 MiB on one 2-core machine on
+    # 2026-12-03 as the test ran alone or in the suite, 50-80 MiB before), so only its sign and a ceiling are held
     beside = [row["held"] - row["counted"] for row in rows.values()]
-    assert max(beside) - min(beside) < 2 * MIB and 50 * MIB < min(beside) < 80 * MIB, _mib(rows)
+    assert max(beside) - min(beside) < 2 * MIB and 0 < min(beside) and max(beside) < 80 * MIB, _mib(rows)
     # a save: stage 0's rank 0 adds the checkpoint (2 G); a partitioned one gathers the whole state on rank 0 only,
     # so rank 1 stays more than G below stage 0's rank 0
     assert abs(zero["save_peak"] - zero["held"] - 2 * G) < 3 * MIB, _mib(rows)

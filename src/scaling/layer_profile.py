@@ -332,9 +332,9 @@ def profile_network(class_path: str, init_args: dict | None = None) -> NetProfil
 
 class _Stamp:
     """Built on first use (torch imported only then): an autograd Function that copies its input forward and, in
-    backward, notes when the gradient of that boundary arrived, i.e. when the block after it finished its
-    backward. The copy keeps an in-place activation (ResNet-18's ReLU) from writing the stamped tensor, as the
-    pipeline's own boundaries copy (`src.strategies.pipeline_stages`)."""
+    backward, notes the process's CPU seconds when the gradient of that boundary arrived, i.e. when the block after
+    it finished its backward. The copy keeps an in-place activation (ResNet-18's ReLU) from writing the stamped
+    tensor, as the pipeline's own boundaries copy (`src.strategies.pipeline_stages`)."""
 
     function = None
 
@@ -351,7 +351,7 @@ class _Stamp:
 
                 @staticmethod
                 def backward(ctx, grad):
-                    ctx.marks.append(time.perf_counter())
+                    ctx.marks.append(time.process_time())
                     return grad, None
 
             cls.function = Stamp
@@ -378,19 +378,20 @@ def _timed(class_path: str, init_args_json: str, samples: int, threads: int, rep
             for index, block in enumerate(blocks):
                 if index:  # the data needs no gradient: block 0's backward ends with the whole backward
                     x = _Stamp.apply(x, marks[index])
-                tic = time.perf_counter()
+                tic = time.process_time()
                 x = block(x)
-                forward.append(time.perf_counter() - tic)
+                forward.append(time.process_time() - tic)
             last: list[float] = []
             loss = module.loss_fn(_Stamp.apply(x, last), target)
             loss.backward()
-            done = time.perf_counter()
+            done = time.process_time()
             # block i's backward: from its output's gradient (the stamp after it) to its input's (the stamp before)
             ends = [done, *(m[0] for m in marks[1:])]
             starts = [*(m[0] for m in marks[1:]), last[0]]
             runs.append([f + (e - s) for f, e, s in zip(forward, ends, starts)])
-        # the fastest of the repeats: another process taking the core (a busy machine, a test suite's workers)
-        # only ever adds time, so the minimum is the block's own cost (as timeit advises)
+        # the process's CPU seconds, not the wall's: another process taking the core (a busy machine, a test
+        # suite's workers) then adds no time, only its pressure on the caches, and the fastest of the repeats
+        # leaves the least of that (as timeit advises)
         seconds = [min(run[i] for run in runs[1:]) / samples for i in range(len(blocks))]
     finally:
         torch.set_num_threads(before)
@@ -399,7 +400,8 @@ def _timed(class_path: str, init_args_json: str, samples: int, threads: int, rep
 
 def timed_block_costs(class_path: str, init_args: dict | None = None, samples: int = 8, threads: int = 1,
                       repeats: int = 7) -> tuple[float, ...]:
-    """Each block's forward and backward on this machine's CPU, seconds per sample (cached per arguments).
+    """Each block's forward and backward on this machine's CPU, in CPU seconds per sample (cached per arguments): a
+    busy machine's other processes do not count in them.
 
     Args:
         class_path: The LightningModule, e.g. src.models.classifier.LeNetClassifier (its `net` is timed).
@@ -421,14 +423,15 @@ def timed_block_costs(class_path: str, init_args: dict | None = None, samples: i
 
 
 def _share_step(net, x, target, loss_fn, optimizer) -> float:
-    """Seconds of one training step of `net` (forward, loss, backward, optimizer step) on the batch `x`."""
-    tic = time.perf_counter()
+    """The process's CPU seconds in one training step of `net` (forward, loss, backward, optimizer step) on the batch
+    `x`: a busy machine's other processes do not count in it."""
+    tic = time.process_time()
     loss = loss_fn(net(x), target)
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
-    return time.perf_counter() - tic
+    return time.process_time() - tic
 
 
 @cache

@@ -41,11 +41,14 @@ the activations saved for backward at their peak, the pipeline's receive buffers
 `Ways` (the options of `--ways`) and `predict_ways` / `forecast_ways` predict every layout on each device count
 and the fastest that fits a memory budget; src.scaling.forecast_files writes them.
 
-Every multi-process compute is multiplied by (1 + sync + jitter x E[max of D normals]) as in `predict_step`.
+Every multi-process compute is multiplied by (1 + sync + jitter x E[max of D normals]) as in `predict_step`. Where
+one node's processes outnumber its cores (`Setting.cores`, e.g. 4 processes of one thread on a 2-core CPU), the
+step is no shorter than their busy seconds spread over the cores plus what follows the compute (`_on_shared_cores`).
 Units: seconds, bytes, samples.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Literal
@@ -83,6 +86,8 @@ class Setting:
         tensor_work: (shares, the share's step / the whole network's) pairs, e.g. timed under the plan
             (`src.scaling.layer_profile.timed_tensor_share`), for tensor parallelism's compute at that many shares;
             a share count not given takes the multiply-adds' (unsplit share + split share / shares).
+        cores: Cores that one node's `per_node` processes share, one process computing on at most one (e.g. 4
+            processes of one thread on a 2-core CPU); None: a device or core to each process.
     """
 
     compute: Compute
@@ -96,6 +101,7 @@ class Setting:
     activation_bytes: int = 4
     block_costs: tuple[float, ...] | None = None
     tensor_work: tuple[tuple[int, float], ...] = ()
+    cores: int | None = None
 
     def costs(self, profile: NetProfile) -> tuple[float, ...]:
         """Each block's cost: `block_costs`, or the multiply-adds.
@@ -186,6 +192,7 @@ class RankFigures:
         buffers: The pipeline's receive buffers (one per micro-batch, kept between steps).
         bytes_sent_per_step: Bytes it sends per step.
         idle_fraction: Pipeline: 1 - its stages' compute time / the schedule's window; else None.
+        busy_s: Seconds it computes in a step, its fixed overhead included (what processes sharing cores share).
     """
 
     rank: int
@@ -196,6 +203,7 @@ class RankFigures:
     buffers: float
     bytes_sent_per_step: float
     idle_fraction: float | None = None
+    busy_s: float = 0.0
 
     @property
     def model_state(self) -> float:
@@ -275,6 +283,18 @@ def predict_layout(profile: NetProfile, layout: Layout, batch: int, setting: Set
     raise ValueError(f"unknown way {layout.way!r}; choose one of {', '.join(WAYS)}")
 
 
+def _on_shared_cores(step: float, ranks: Sequence[RankFigures], after: float, setting: Setting) -> float:
+    """The step when a node's processes outnumber its cores (`Setting.cores`): no shorter than the busy seconds of
+    the first node's processes (`RankFigures.busy_s`, in rank order) spread over its cores, plus `after`, the
+    seconds after the compute that no other process's work fills (data and tensor parallelism: the exchange, whose
+    processes wait on one another; a pipeline: the logits' broadcast and the copies' allreduce, its bubble being
+    time that the other stages' work fills). `step` itself with a core to each process."""
+    on_node = [r.busy_s for r in ranks[:setting.per_node]]
+    if setting.cores is None or len(on_node) <= setting.cores:
+        return step
+    return max(step, sum(on_node) / setting.cores + after)
+
+
 def _data(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> LayoutFigures:
     d, stage, psi, s = layout.processes, layout.zero_stage, profile.parameters, setting.sizes
     if stage not in (0, 1, 2, 3):
@@ -283,9 +303,11 @@ def _data(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> 
     job = Job("ring", d, batch, "global", setting.compute, grad_bytes, setting.per_node, setting.messages)
     step = predict_step(job, setting.links, setting.overlap, setting.jitter, setting.sync)
     activations = saved_bytes(profile, range(len(profile.saved)), batch / d) * _scale(profile, setting)
-    rank = RankFigures(0, *state_bytes(psi, d, stage, s), activations, 0.0, 2 * (d - 1) / d * grad_bytes)
+    rank = RankFigures(0, *state_bytes(psi, d, stage, s), activations, 0.0, 2 * (d - 1) / d * grad_bytes,
+                       busy_s=step.compute_s)
     ranks = tuple(replace(rank, rank=r) for r in range(d))
-    return LayoutFigures(layout, batch, ranks, step.compute_s, step.exchange_s - step.hidden_s, step.step_s)
+    step_s = _on_shared_cores(step.step_s, ranks, step.exchange_s - step.hidden_s, setting)
+    return LayoutFigures(layout, batch, ranks, step.compute_s, step_s - step.compute_s, step_s)
 
 
 def _scale(profile: NetProfile, setting: Setting) -> float:
@@ -516,16 +538,18 @@ def _pipeline(profile: NetProfile, layout: Layout, batch: int, setting: Setting)
         if t > 1:  # the ring allreduces of its stages' splits, each sending 2(T-1)/T of its bytes
             sent += m * 2 * (t - 1) / t * sum(shared[i] for i in local)
         ranks.append(RankFigures(r, s.params * elements, s.grads * elements, s.optimizer * elements, peak,
-                                 m * sum(out[i] + into[i] for i in local), sent, 1 - compute[r] / window))
+                                 m * sum(out[i] + into[i] for i in local), sent, 1 - compute[r] / window,
+                                 setting.compute.overhead_s + compute[r]))
     ranks = [replace(f, rank=c * layout.split + f.rank * t + j) for c in range(layout.copies) for f in ranks
              for j in range(t)]
     step = setting.compute.overhead_s + window + broadcast_s + slowest_copy
+    step = _on_shared_cores(step, ranks, broadcast_s + slowest_copy, setting)
     names = profile.names
     words = tuple(names[a] if e - a == 1 else f"{names[a]}-{names[e - 1]}" for a, e in zip(bounds, bounds[1:]))
     v = STAGES_PER_PROCESS[layout.schedule]
     return LayoutFigures(replace(layout, zero_stage=0, starts=tuple(starts)),
                          batch, tuple(ranks), setting.compute.overhead_s + max(compute),
-                         window - max(compute) + broadcast_s + slowest_copy, step, bubble_fraction(p, m, v), words)
+                         step - setting.compute.overhead_s - max(compute), step, bubble_fraction(p, m, v), words)
 
 
 def _stage_bytes(profile: NetProfile, layout: Layout, bounds: list[int], micro: float,
@@ -558,8 +582,9 @@ def _tensor(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -
     activations = saved_bytes(profile, range(len(profile.saved)), each, shares) * scale
     sent = (2 * (shares - 1) / shares * sum(tensors) if shares > 1 else 0.0) + copy_sent
     ranks = tuple(RankFigures(r, s.params * elements, s.grads * elements, s.optimizer * elements, activations, 0.0,
-                              sent) for r in range(layout.processes))
-    return LayoutFigures(layout, batch, ranks, compute, exchange + copy_s, compute + exchange + copy_s)
+                              sent, busy_s=compute) for r in range(layout.processes))
+    step = _on_shared_cores(compute + exchange + copy_s, ranks, exchange + copy_s, setting)
+    return LayoutFigures(layout, batch, ranks, compute, step - compute, step)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,24 @@ from src.run.cleanup import register as register_process_group_cleanup
 from src.run.lightning_compat import init_process_group, process_launcher, reduce_across_processes
 
 
+def settle_after_fork() -> None:
+    """In a forked child, before it starts any thread: rebuild what torch rebuilds lazily after a fork, while this is
+    the only thread.
+
+    - Its first call to `set_num_threads` rebuilds torch's pthreadpool, which fork left marked corrupt. Every thread
+      torch starts later calls it too (at::init_num_threads); made concurrently, one call may see no pool and abort
+      ("Invalid thread pool!", ATen/ParallelOpenMP.cpp).
+    - Its first use of autograd's engine after the fork destroys the engine the parent had used and builds a new
+      one (`PythonEngine::get_python_engine`, torch/csrc/autograd/python_engine.cpp, since pytorch/pytorch#4158).
+      Any op that saves a tensor for backward reaches it, with the GIL released, so two threads of a step (the
+      replicas of a lockstep step under sync BatchNorm, the exchange thread) can both destroy it: a SIGSEGV in
+      `Engine::~Engine` (20 of 400 forked children that ran a LeNet-like net on two threads, 0 of 400 after this).
+      A backward through one number here makes that first use.
+    """
+    torch.set_num_threads(torch.get_num_threads())
+    torch.ones(1, requires_grad=True).sum().backward()
+
+
 @dataclass(frozen=True)
 class ProcessStart:
     """How the processes start and wait for each other: one option group, `processes: {backend: gloo, timeout:
@@ -145,11 +163,7 @@ class ProcessesParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Select the root device; with several processes, join the process group (as DDP does)."""
         if self.multi_process and self._start_method == "fork":
-            # A forked child's first call to set_num_threads rebuilds torch's pthreadpool, which fork left marked
-            # corrupt. Every thread torch starts later calls it as well (at::init_num_threads); made concurrently,
-            # one of the calls may see no pool and abort ("Invalid thread pool!", ATen/ParallelOpenMP.cpp). Made
-            # here, in the only thread, before the process group and the step start theirs.
-            torch.set_num_threads(torch.get_num_threads())
+            settle_after_fork()
         super().setup_environment()
         if self.multi_process:
             reset_seed()  # every process starts from the seed that `seed_everything` set in the launching one

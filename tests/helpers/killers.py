@@ -2,12 +2,19 @@
 
 import os
 import signal
+import time
 
 import lightning.pytorch as pl
 
 
+def say_when(what: str, rank: int) -> None:
+    """Print `<what> <rank> at <unix time>` to stdout and flush it, so that a test can time what follows."""
+    print(f"{what} {rank} at {time.time():.3f}", flush=True)
+
+
 class KillAtStep(pl.Callback):
-    """SIGKILLs its own process right after optimizer step `step`: no cleanup, no final checkpoint.
+    """SIGKILLs its own process right after optimizer step `step`: no cleanup, no final checkpoint. It first prints
+    `killing rank <rank> at <unix time>`.
 
     Args:
         step: Global step after which to die.
@@ -19,11 +26,13 @@ class KillAtStep(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            say_when("killing rank", trainer.global_rank)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 class HangAtStep(pl.Callback):
-    """Stops answering (sleeps for an hour) after optimizer step `step` on global rank `rank`.
+    """Stops answering (sleeps for an hour) after optimizer step `step` on global rank `rank`, after it prints
+    `hanging rank <rank> at <unix time>`.
 
     Args:
         step: Global step after which to hang.
@@ -35,8 +44,7 @@ class HangAtStep(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            import time
-
+            say_when("hanging rank", self.rank)
             time.sleep(3600)
 
 
