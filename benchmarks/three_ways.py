@@ -334,8 +334,9 @@ _MEMORY_PRECISION = {"32-true": "fp32", "64-true": "fp64", "bf16-mixed": "fp32",
 #: the rise predicted at 0.47-1.00 of the measured (temporaries are not counted); the step of data parallelism -15%
 #: (LeNet) and -0% (ResNet-18), of the pipelines -6% to +2% and -8% to -4%; tensor parallelism's 0.72-0.79 and
 #: 0.92-0.94 of the measured (its allreduces' waits beyond the link's time are not counted); the stages' mean idle
-#: share 0.38-0.42 against 0.29-0.32 (LeNet) and 0.34 against 0.26-0.27 (ResNet-18). Each stage's idle share is reported only: LeNet's recorded stages idle alike (0.30 and
-#: 0.29 under GPipe), the timed blocks give its first stage 0.65-0.78 idle.
+#: share 0.38-0.42 against 0.29-0.32 (LeNet) and 0.34 against 0.26-0.27 (ResNet-18). Each stage's idle share is
+#: reported only: LeNet's recorded stages idle alike (0.30 and 0.29 under GPipe), the timed blocks give its first
+#: stage 0.65-0.78 idle.
 TOLERANCES = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "bytes_sent_per_step": 0.02,
               "activation_peak": (0.45, 1.05), "idle_fraction": None, "step_ms": 0.2, "step_vs_one_core": 0.2,
               "mean_idle": 0.2, "bubble": 1e-9}
