@@ -1,7 +1,5 @@
-"""The scaling predictor's files: forecast.md (the table, the assumptions, the model-state memory's section and the
-three ways' section), forecast.csv, forecast.png and layouts.csv, each forecast in a `version_N` folder of its own
-(`src.version_folders`); the lines it prints beside them (the memory's answers, the three ways' table); and the
-scaling report's rows it draws.
+"""The scaling predictor's files, each in a `version_N` folder of its own (`src.version_folders`): forecast.md,
+forecast.csv, forecast.png and layouts.csv; the lines it prints beside them; and the scaling report's rows it draws.
 
 Each file is written under a temporary name and renamed (`replace_file`), so a reader never sees half a file.
 """
@@ -25,10 +23,10 @@ if TYPE_CHECKING:
 
 MIB = 2**20
 _MEMORY_HEADER = ["devices", "stage 0 GiB", "stage 1 GiB", "stage 2 GiB", "stage 3 GiB (FSDP FULL_SHARD)"]
-_LEFT_OUT = ("Activations, temporary buffers (gradient buckets, all-gather and reduce-scatter buffers) and the "
-             "allocator's fragmentation are NOT included: a device needs more memory than this.")
 _WAYS_HEADER = ["layout", "step ms", "compute ms", "waits ms", "images/s", "bubble", "sent MiB/step", "model state MiB",
                 "activations MiB", "buffers MiB", "total MiB", "fits", "cut"]
+# the bytes of a `RankFigures`, in the column order of layouts.csv and of forecast.md's table per process
+_RANK_BYTES = ("parameters", "gradients", "optimizer_state", "activation_peak", "buffers", "bytes_sent_per_step")
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -36,14 +34,15 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def replace_file(path: Path, write: Callable[[IO[str]], None]) -> Path:
-    """Write `path` through `write(handle)` into a hidden temporary file beside it, then rename that over `path`.
+def replace_file(path: Path, write: Callable[[IO], None], mode: str = "w") -> Path:
+    """Write `path` through `write(handle)` into a hidden temporary file beside it, then rename that over `path`;
+    the handle is opened in `mode`, "w" (text, no newline translation) or "wb".
 
     Raises:
         OSError: The folder cannot be written.
     """
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    with open(tmp, "w", newline="") as handle:
+    with open(tmp, mode, newline=None if "b" in mode else "") as handle:
         write(handle)
     os.replace(tmp, path)
     return path
@@ -54,29 +53,18 @@ class Row:
     """One line of forecast.csv: a `StepPrediction` in milliseconds, plus seconds per epoch and the model state.
 
     Args:
-        algorithm: Allreduce algorithm.
-        devices: Devices (replicas).
-        nodes: Nodes they span.
-        global_batch: Images per optimizer step.
-        images_per_replica: Images per step on each replica.
-        compute_ms: Compute per step and replica, milliseconds.
-        exchange_ms: Gradient exchange per step, milliseconds.
-        hidden_ms: Part of the exchange hidden behind backward, milliseconds.
-        step_ms: Step time, milliseconds.
-        sec_per_epoch: Seconds per epoch.
-        images_per_s: Training throughput, images/s.
-        speedup: Throughput over one device's.
-        efficiency: Speedup / devices.
-        efficiency_low: Efficiency at the pessimistic end of the range.
-        efficiency_high: Efficiency at the optimistic end of the range.
-        images_per_s_low: Images/s at the pessimistic end.
-        images_per_s_high: Images/s at the optimistic end.
-        model_state_gib_stage0: Parameters, gradients and optimizer state per device, GiB (2**30 bytes), at ZeRO
-            stage 0 (plain data parallelism) on this many devices (`src.scaling.memory`; the same for every
-            algorithm).
-        model_state_gib_stage1: The same with the optimizer state partitioned (ZeRO stage 1).
-        model_state_gib_stage2: The same with optimizer state and gradients partitioned (ZeRO stage 2).
-        model_state_gib_stage3: The same with the parameters partitioned too (ZeRO stage 3, FSDP FULL_SHARD).
+        algorithm, devices, nodes: Allreduce algorithm, devices (replicas) and the nodes they span.
+        global_batch, images_per_replica: Images per optimizer step, and per step on each replica.
+        compute_ms, exchange_ms, hidden_ms, step_ms: Compute per step and replica, gradient exchange per step, the part
+            of it hidden behind backward, and the step time, milliseconds.
+        sec_per_epoch, images_per_s: Seconds per epoch; training throughput, images/s.
+        speedup, efficiency: Throughput over one device's; speedup / devices.
+        efficiency_low, efficiency_high, images_per_s_low, images_per_s_high: Efficiency and images/s at the pessimistic
+            (low) and optimistic (high) ends of the range.
+        model_state_gib_stage0 to model_state_gib_stage3: Parameters, gradients and optimizer state per device, GiB
+            (2**30 bytes), on this many devices (`src.scaling.memory`; the same for every algorithm), at ZeRO stage 0
+            (plain data parallelism), 1 (optimizer state partitioned), 2 (gradients too) and 3 (parameters too, FSDP
+            FULL_SHARD).
     """
 
     algorithm: str
@@ -146,8 +134,8 @@ def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, mea
               f"{r.images_per_s_low:,.0f}–{r.images_per_s_high:,.0f}", f"{r.speedup:.2f}", f"{r.efficiency:.3f}",
               f"{r.efficiency_low:.3f}–{r.efficiency_high:.3f}"] for r in rows]
     lines = [f"# {title}", "", "Predicted, not measured. Each range runs from the pessimistic to the optimistic "
-             "end of the terms listed under the table.", "", *table(header, cells)]
-    lines += ["", "## Inputs and assumptions", "", *[f"- {n}" for n in notes]]
+             "end of the terms listed under the table.", "", *table(header, cells),
+             "", "## Inputs and assumptions", "", *[f"- {n}" for n in notes]]
     if measured_from:
         lines += ["", f"Measured points drawn on the plot: {measured_from}/scaling.csv"]
     if sections:
@@ -156,11 +144,7 @@ def write_markdown(rows: list[Row], notes: list[str], out: Path, title: str, mea
 
 
 def write_csv(rows: list[Row], out: Path) -> Path:
-    """Write forecast.csv, one line per row, columns named as `Row`'s fields.
-
-    Args:
-        rows: The predictions, at least one.
-        out: Folder to write into (it exists).
+    """Write forecast.csv, one line per row (at least one), columns named as `Row`'s fields, into the folder `out`.
 
     Returns:
         The file's path.
@@ -177,7 +161,7 @@ def write_csv(rows: list[Row], out: Path) -> Path:
 
 
 def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] = ()) -> Path:
-    """Write forecast.png: images/s and efficiency against devices, one line and range band per algorithm.
+    """Write forecast.png (`forecast_figure`) into the folder `out`.
 
     Args:
         rows: The predictions, at least one.
@@ -194,15 +178,14 @@ def write_plot(rows: list[Row], out: Path, title: str, measured: Sequence[dict] 
     fig = forecast_figure(rows, title, measured)
     import matplotlib.pyplot as plt  # after the figure chose the Agg backend
 
-    fig.savefig(out / ".forecast.tmp.png", dpi=110)
+    path = replace_file(out / "forecast.png", lambda f: fig.savefig(f, dpi=110, format="png"), "wb")
     plt.close(fig)
-    os.replace(out / ".forecast.tmp.png", out / "forecast.png")
-    return out / "forecast.png"
+    return path
 
 
 def forecast_figure(rows: list[Row], title: str, measured: Sequence[dict] = ()) -> "Figure":
-    """forecast.png's figure (`write_plot`): the legend to the right of both panels, where it covers no line or
-    band."""
+    """forecast.png's figure: images/s and efficiency against devices, one line and range band per algorithm (args
+    as `write_plot`); the legend to the right of both panels, where it covers no line or band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,11 +202,11 @@ def forecast_figure(rows: list[Row], title: str, measured: Sequence[dict] = ()) 
                             color=line.get_color(), label=f"{name} (predicted range)")
     for strategy in dict.fromkeys(m["strategy"] for m in measured):
         pts = [m for m in measured if m["strategy"] == strategy]
+        x = [int(m["devices"]) for m in pts]
         kw = dict(marker="x", s=60, zorder=3, label=f"{strategy} (measured)")
-        ax_ips.scatter([int(m["devices"]) for m in pts], [float(m["images_per_s"]) for m in pts], **kw)
+        ax_ips.scatter(x, [float(m["images_per_s"]) for m in pts], **kw)
         # speedup / devices, the predictor's definition (a CPU report's own efficiency column divides by 1x)
-        ax_eff.scatter([int(m["devices"]) for m in pts],
-                       [float(m["speedup_vs_single"]) / int(m["devices"]) for m in pts], **kw)
+        ax_eff.scatter(x, [float(m["speedup_vs_single"]) / n for m, n in zip(pts, x)], **kw)
     counts = sorted({r.devices for r in rows})
     for ax, label in ((ax_ips, "training throughput (images/s)"), (ax_eff, "efficiency = speedup / devices")):
         if counts[-1] > 8 * counts[0]:
@@ -282,8 +265,9 @@ def memory_section(plan: MemoryPlan, devices: Sequence[int]) -> list[str]:
              "as FSDP's FULL_SHARD (`configs/strategy/fsdp_cpu_full_shard.yaml`); DeepSpeed's "
              "`zero_optimization.stage` numbers them alike. A partition holds ceil(Ψ / devices) elements. "
              "GiB = 2^30 bytes.", "",
-             *table(_MEMORY_HEADER, [[str(d), *(f"{g:.4g}" for g in stage_gib(plan, d))] for d in devices])]
-    lines += ["", _LEFT_OUT]
+             *table(_MEMORY_HEADER, [[str(d), *(f"{g:.4g}" for g in stage_gib(plan, d))] for d in devices]),
+             "", "Activations, temporary buffers (gradient buckets, all-gather and reduce-scatter buffers) and the "
+             "allocator's fragmentation are NOT included: a device needs more memory than this."]
     answers = answer_lines(plan)
     if answers:
         lines += ["", f"Fewest devices whose model state fits in {plan.memory_gib:g} GiB:", "",
@@ -296,10 +280,13 @@ def _row(f: LayoutFigures, budget_gib: float | None) -> list[str]:
     sent = max(r.bytes_sent_per_step for r in f.ranks)
     fits = "" if budget_gib is None else ("yes" if top.total <= budget_gib * GIB else "no")
     return [f.layout.label(), f"{f.step_s * 1e3:.1f}", f"{f.compute_s * 1e3:.1f}", f"{f.exchange_s * 1e3:.1f}",
-            f"{f.images_per_s:,.0f}",
-            "" if f.bubble is None else f"{f.bubble:.3f}", f"{sent / MIB:.3f}", f"{top.model_state / MIB:.3f}",
-            f"{top.activation_peak / MIB:.3f}", f"{top.buffers / MIB:.3f}", f"{top.total / MIB:.3f}", fits,
+            f"{f.images_per_s:,.0f}", "" if f.bubble is None else f"{f.bubble:.3f}", f"{sent / MIB:.3f}",
+            *(f"{b / MIB:.3f}" for b in (top.model_state, top.activation_peak, top.buffers, top.total)), fits,
             " | ".join(f.stages)]
+
+
+def _devices_words(a: DeviceAnswer) -> str:
+    return f"{a.devices} device{'s' * (a.devices > 1)}, global batch {a.figures[0].global_batch}"
 
 
 def ways_table_lines(answers: list[DeviceAnswer], budget_gib: float | None) -> list[str]:
@@ -313,14 +300,13 @@ def ways_table_lines(answers: list[DeviceAnswer], budget_gib: float | None) -> l
     Returns:
         The lines, without line ends.
     """
-    lines = []
+    lines, last = [], len(_WAYS_HEADER) - 1
     for a in answers:
         rows = [_WAYS_HEADER] + [_row(f, budget_gib) for f in a.figures]
         widths = [max(len(r[i]) for r in rows) for i in range(len(_WAYS_HEADER))]
-        batch = a.figures[0].global_batch
-        lines.append(f"three ways on {a.devices} device{'s' * (a.devices > 1)}, global batch {batch} (predicted; "
-                     "memory of the fullest process, MiB = 2^20 bytes):")
-        lines += ["  " + "  ".join(c.ljust(w) if i in (0, len(_WAYS_HEADER) - 1) else c.rjust(w) for i, (c, w) in
+        lines.append(f"three ways on {_devices_words(a)} (predicted; memory of the fullest process, MiB = 2^20 "
+                     "bytes):")
+        lines += ["  " + "  ".join(c.ljust(w) if i in (0, last) else c.rjust(w) for i, (c, w) in
                                    enumerate(zip(r, widths))).rstrip() for r in rows]
         lines += [f"  cannot run: {s}" for s in a.skipped]
         if a.answer:
@@ -333,8 +319,7 @@ def ways_section(answers: list[DeviceAnswer], budget_gib: float | None, block_co
     left out.
 
     Args:
-        answers: `predict_ways`' answers.
-        budget_gib: The memory budget per device, GiB, or None.
+        answers, budget_gib: As `ways_table_lines`.
         block_costs: What split a pipeline's compute between its stages (`Ways.block_costs`).
 
     Returns:
@@ -346,17 +331,15 @@ def ways_section(answers: list[DeviceAnswer], budget_gib: float | None, block_co
              "bytes. Formulas and sources: docs/forecast.md, \"Three ways\"; `src/scaling/three_ways.py`. A pipeline's "
              "stages split the compute by " + ("their blocks' forward and backward timed on this CPU at one thread."
                                                if block_costs == "timed" else "their blocks' multiply-adds."), ""]
+    rank_header = ["layout", "rank", "parameters", "gradients", "optimizer state", "activation peak", "buffers",
+                   "sent per step", "idle"]
     for a in answers:
-        lines += [f"### {a.devices} device{'s' * (a.devices > 1)}, global batch {a.figures[0].global_batch}", "",
-                  *table(_WAYS_HEADER, [[c.replace("|", "\\|") for c in _row(f, budget_gib)] for f in a.figures])]
-        lines += ["", "| layout | rank | parameters | gradients | optimizer state | activation peak | buffers | "
-                      "sent per step | idle |", "|" + "---|" * 9]
-        lines += [f"| {f.layout.label()} | {r.rank} | {r.parameters:,.0f} | {r.gradients:,.0f} | "
-                  f"{r.optimizer_state:,.0f} | {r.activation_peak:,.0f} | {r.buffers:,.0f} | "
-                  f"{r.bytes_sent_per_step:,.0f} | {'' if r.idle_fraction is None else f'{r.idle_fraction:.3f}'} |"
-                  for f in a.figures for r in f.ranks]
+        ranks = [[f.layout.label(), str(r.rank), *(f"{getattr(r, b):,.0f}" for b in _RANK_BYTES),
+                  "" if r.idle_fraction is None else f"{r.idle_fraction:.3f}"] for f in a.figures for r in f.ranks]
         notes = [f"- cannot run: {s}" for s in a.skipped] + ([f"- {a.answer}"] if a.answer else [])
-        lines += [""] + (notes + [""] if notes else [])
+        lines += [f"### {_devices_words(a)}", "",
+                  *table(_WAYS_HEADER, [[c.replace("|", "\\|") for c in _row(f, budget_gib)] for f in a.figures]),
+                  "", *table(rank_header, ranks), "", *(notes + [""] if notes else [])]
     lines += ["", "Bytes per process in the second table. Left out: temporary buffers (allreduce and DTensor "
               "copies), the allocator's fragmentation, the CUDA context; activations are the tensors autograd saves "
               "for backward, at the model's dtype."]
@@ -364,32 +347,29 @@ def ways_section(answers: list[DeviceAnswer], budget_gib: float | None, block_co
 
 
 def write_layouts(answers: list[DeviceAnswer], out: Path) -> Path:
-    """layouts.csv: one line per (device count, layout, rank), bytes and milliseconds.
+    """layouts.csv: one line per (device count, layout, rank), bytes and milliseconds, into the folder `out`.
 
     Args:
         answers: `predict_ways`' answers.
-        out: The folder to write into (it exists).
 
     Returns:
         The file's path.
     """
-    columns = ["devices", "layout", "way", "copies", "schedule", "microbatches", "zero_stage", "cut",
-               "global_batch", "step_ms", "images_per_s", "bubble", "rank", "parameters", "gradients",
-               "optimizer_state", "activation_peak", "buffers", "bytes_sent_per_step", "idle_fraction", "total"]
     def rows(handle: IO[str]) -> None:
         writer = csv.writer(handle)
-        writer.writerow(columns)
+        writer.writerow(["devices", "layout", "way", "copies", "schedule", "microbatches", "zero_stage", "cut",
+                         "global_batch", "step_ms", "images_per_s", "bubble", "rank", *_RANK_BYTES, "idle_fraction",
+                         "total"])
         for a in answers:
             for f in a.figures:
                 lay = f.layout
-                for r in f.ranks:
-                    writer.writerow([a.devices, lay.label(), lay.way, lay.copies, lay.schedule or "",
-                                     lay.microbatches or "", lay.zero_stage, " | ".join(f.stages), f.global_batch,
-                                     f"{f.step_s * 1e3:.4f}", f"{f.images_per_s:.2f}",
-                                     "" if f.bubble is None else f"{f.bubble:.4f}", r.rank, round(r.parameters),
-                                     round(r.gradients), round(r.optimizer_state), round(r.activation_peak),
-                                     round(r.buffers), round(r.bytes_sent_per_step),
-                                     "" if r.idle_fraction is None else f"{r.idle_fraction:.4f}", round(r.total)])
+                writer.writerows([a.devices, lay.label(), lay.way, lay.copies, lay.schedule or "",
+                                  lay.microbatches or "", lay.zero_stage, " | ".join(f.stages), f.global_batch,
+                                  f"{f.step_s * 1e3:.4f}", f"{f.images_per_s:.2f}",
+                                  "" if f.bubble is None else f"{f.bubble:.4f}", r.rank,
+                                  *(round(getattr(r, b)) for b in _RANK_BYTES),
+                                  "" if r.idle_fraction is None else f"{r.idle_fraction:.4f}", round(r.total)]
+                                 for r in f.ranks)
     return replace_file(out / "layouts.csv", rows)
 
 
@@ -408,8 +388,7 @@ def newest_report(model_dir: Path, accelerator: str) -> tuple[list[dict], Path |
         folder), or ([], None) if none.
     """
     numbered = [p for p in model_dir.glob("version_*/scaling.csv") if p.parent.name.split("_", 1)[1].isdigit()]
-    versions = sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))
-    for csv_path in reversed(versions):
+    for csv_path in reversed(sorted(numbered, key=lambda p: int(p.parent.name.split("_", 1)[1]))):
         with open(csv_path, newline="") as f:
             rows = list(csv.DictReader(f))
         if rows and all(r.get("accelerator") == accelerator for r in rows):

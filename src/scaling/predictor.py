@@ -6,15 +6,9 @@
     python -m src.forecast --calibrate      # re-measure this machine (minutes): src/scaling/calibration/cpu-2core.json
 
 Time per step = compute x (1 + sync overhead + slowest-rank jitter) + gradient exchange - the part of the
-exchange hidden behind backward (src/scaling/cost_model.py), with numbers from a hardware preset
-(src/scaling/hardware.py), the calibration file, published measurements (src/scaling/published.py) or the command
-line (src/scaling/sources.py). Each prediction is a range (src/scaling/cost_fit.py): efficiency_low and
-efficiency_high come from the bounds of the terms the model cannot know (jitter, sync overhead, overlap, achieved
-vs line-rate bandwidth).
-Trains nothing and takes seconds. Writes forecast.md (table and every assumption, marked measured / published /
-assumed / user), forecast.csv and forecast.png (images/s and efficiency against devices with the range as a
-band, one line per algorithm, with the measured points of the newest scaling report of the same config on the
-same kind of hardware) into <out>/<model>/version_N/. See docs/forecast.md.
+exchange hidden behind backward (src/scaling/cost_model.py), each prediction a range over the terms the model cannot
+know (src/scaling/cost_fit.py); where each number comes from: src/scaling/sources.py. Trains nothing and takes
+seconds; what it writes: `run_forecast`. See docs/forecast.md.
 """
 
 import re
@@ -167,29 +161,28 @@ def _experiment(config: str) -> dict:
     return cfg
 
 
+def _require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless `ok`."""
+    if not ok:
+        raise ValueError(message)
+
+
 def _check(question: Question) -> None:
     hardware_preset(question.hardware)
-    if not question.devices:
-        raise ValueError("give at least one device count, e.g. --devices \"[1, 2, 8]\"")
-    bad = [d for d in question.devices if d < 1]
-    if bad:
-        raise ValueError(f"device counts must be >= 1, got {bad}")
+    devices, nodes = question.devices, question.nodes
+    _require(bool(devices), "give at least one device count, e.g. --devices \"[1, 2, 8]\"")
+    bad = [d for d in devices if d < 1]
+    _require(not bad, f"device counts must be >= 1, got {bad}")
     unknown = [a for a in question.algorithms if a not in ALGORITHMS]
-    if unknown:
-        raise ValueError(f"unknown algorithm(s) {unknown}; choose from {', '.join(ALGORITHMS)}")
-    if question.network_params is not None and question.network_params < 1:
-        raise ValueError(f"--network_params must be >= 1, got {question.network_params}")
-    if question.measured_images_per_s is not None and not question.measured_images_per_s > 0:
-        raise ValueError(f"--measured_images_per_s must be > 0, got {question.measured_images_per_s}")
-    if question.grad_bytes < 1:
-        raise ValueError(f"--grad_bytes must be >= 1, got {question.grad_bytes}")
-    if question.memory_gib is not None and not question.memory_gib > 0:
-        raise ValueError(f"--memory_gib must be > 0 (the memory of one device in GiB, e.g. 80 for an 80 GB H100), "
-                         f"got {question.memory_gib}")
-    if question.nodes is not None:
-        uneven = [d for d in question.devices if question.nodes < 1 or d % question.nodes]
-        if uneven:
-            raise ValueError(f"--nodes {question.nodes} does not divide the device count(s) {uneven}")
+    _require(not unknown, f"unknown algorithm(s) {unknown}; choose from {', '.join(ALGORITHMS)}")
+    params, rate, gib = question.network_params, question.measured_images_per_s, question.memory_gib
+    _require(params is None or params >= 1, f"--network_params must be >= 1, got {params}")
+    _require(rate is None or rate > 0, f"--measured_images_per_s must be > 0, got {rate}")
+    _require(question.grad_bytes >= 1, f"--grad_bytes must be >= 1, got {question.grad_bytes}")
+    _require(gib is None or gib > 0, "--memory_gib must be > 0 (the memory of one device in GiB, e.g. 80 for an 80 GB "
+                                     f"H100), got {gib}")
+    uneven = [] if nodes is None else [d for d in devices if nodes < 1 or d % nodes]
+    _require(not uneven, f"--nodes {nodes} does not divide the device count(s) {uneven}")
 
 
 def _compute(question: Question, user: Overrides, device: str, net: Network, batch: int,
@@ -211,8 +204,7 @@ def _links(preset, user: Overrides, calibration: str) -> tuple[Links, Links, str
     intra, intra_line, intra_note = resolve_links(user.intra_link or preset.intra, calibration)
     inter, inter_line, inter_note = resolve_links(user.inter_link or preset.inter, calibration)
     if user.nic_gbps is not None:
-        if not user.nic_gbps > 0:
-            raise ValueError(f"--nic_gbps must be > 0, got {user.nic_gbps}")
+        _require(user.nic_gbps > 0, f"--nic_gbps must be > 0, got {user.nic_gbps}")
         share = inter_line.beta / inter.beta
         line_bw = user.nic_gbps * 1e9 / 8
         inter, inter_line = Link(inter.alpha, 1 / (line_bw * share)), Link(inter.alpha, 1 / line_bw)
@@ -230,8 +222,7 @@ def _links(preset, user: Overrides, calibration: str) -> tuple[Links, Links, str
                        f"{WIRE_BYTES_PER_PAYLOAD_BYTE:.3f} bytes on the wire per gradient byte (TCP/IP and "
                        "Ethernet headers, the opposite direction's ACKs)")
     nics = user.nics or preset.nics
-    if nics is not None and nics < 1:
-        raise ValueError(f"--nics must be >= 1, got {nics}")
+    _require(nics is None or nics >= 1, f"--nics must be >= 1, got {nics}")
     return Links(intra, inter, nics), Links(intra_line, inter_line, nics), intra_note, inter_note
 
 
@@ -319,10 +310,11 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
     """
     _check(question)
     preset = hardware_preset(question.hardware)
-    net, batch, epoch_images = _network_and_batch(question, user)
+    custom = question.network_params is not None
+    cfg = None if custom else _experiment(question.config)
+    net, batch, epoch_images = _network_and_batch(question, user, cfg)
     per_node = user.devices_per_node or preset.per_node
-    if per_node < 1:
-        raise ValueError(f"devices per node must be >= 1, got {per_node}")
+    _require(per_node >= 1, f"devices per node must be >= 1, got {per_node}")
     compute, compute_note = _compute(question, user, preset.device, net, batch, paths.calibration)
     achieved, line, intra_note, inter_note = _links(preset, user, paths.calibration)
     overlap, overlap_note = resolve_overlap(preset.device, net, user.overlap)
@@ -330,19 +322,14 @@ def predict(question: Question = Question(), user: Overrides = Overrides(),
                                                      question.min_compression_rate, question.compression_ratio)
     messages = user.messages or net.buckets * calls
     bounds, rate = _sync_bounds(question.precision, user.sync_overhead, net.gradient_bytes, compute.step_s(batch))
-
-    def node_size(devices: int) -> int:
-        return devices // question.nodes if question.nodes else per_node
-
-    bands = [predict_band(Job(a, d, batch, question.batch_mode, compute, sent, node_size(d), messages), achieved,
-                          line, overlap, bounds) for a in question.algorithms for d in question.devices]
-    custom = question.network_params is not None
-    memory = _memory(question, net.parameters)
+    bands = [predict_band(Job(a, d, batch, question.batch_mode, compute, sent,
+                              d // question.nodes if question.nodes else per_node, messages),
+                          achieved, line, overlap, bounds) for a in question.algorithms for d in question.devices]
+    memory = memory_plan(net.parameters, question.optimizer, question.memory_precision, question.memory_gib, cfg)
     model = f"params-{net.parameters}" if custom else Path(question.config).stem
     user_step = question.measured_images_per_s is not None or (user.seconds_per_image is not None
                                                                and user.overhead_s is not None)
-    precision = precision_line(None if custom else config_precision(_experiment(question.config)), preset.device,
-                               net, user_step)
+    precision = precision_line(None if custom else config_precision(cfg), preset.device, net, user_step)
     scaling = "per device (weak scaling)" if question.batch_mode == "per_device" else "global (strong scaling)"
     notes = [
         network_note(net, custom, messages),
@@ -376,38 +363,28 @@ def _sync_bounds(precision: str | None, user_overhead: float | None, n_bytes: in
     rate = gradient_rate(n_bytes, step_s)
     bounds = bounds_for(precision, rate)
     if user_overhead is not None:
-        if not user_overhead >= 0:
-            raise ValueError(f"--sync_overhead must be >= 0, got {user_overhead}")
+        _require(user_overhead >= 0, f"--sync_overhead must be >= 0, got {user_overhead}")
         bounds = Bounds(bounds.jitter, (user_overhead, user_overhead))
     return bounds, rate
 
 
-def _memory(question: Question, parameters: int) -> MemoryPlan:
-    """The model-state memory plan: the options given, the rest from the config (none with --network_params)."""
-    cfg = None if question.network_params is not None else _experiment(question.config)
-    return memory_plan(parameters, question.optimizer, question.memory_precision, question.memory_gib, cfg)
-
-
-def _network_and_batch(question: Question, user: Overrides) -> tuple[Network, int, int]:
-    """The network (inspected from the config's model, or the user's numbers), the batch and the images per epoch.
+def _network_and_batch(question: Question, user: Overrides, cfg: dict | None) -> tuple[Network, int, int]:
+    """The network (inspected from the config `cfg`'s model, or the user's numbers with `cfg` None), the batch and
+    the images per epoch.
 
     Raises:
         ValueError: A batch size below 1 or a bucket cap that is not > 0.
     """
-    custom = question.network_params is not None
-    cfg = {} if custom else _experiment(question.config)
-    data = cfg.get("data") or {}
+    data = (cfg or {}).get("data") or {}
     batch = question.batch_size or data.get("batch_size", 256)
-    if batch < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch}")
+    _require(batch >= 1, f"batch size must be >= 1, got {batch}")
     epoch_images = question.epoch_images or TRAIN_IMAGES - data.get("val_size", 5000)
-    if user.bucket_cap_mb is not None and not user.bucket_cap_mb > 0:
-        raise ValueError(f"--bucket_cap_mb must be > 0, got {user.bucket_cap_mb}")
-    bucket_bytes = round((user.bucket_cap_mb or DDP_BUCKET_BYTES / 2**20) * 2**20)
-    if custom:
+    bucket_mb = user.bucket_cap_mb
+    _require(bucket_mb is None or bucket_mb > 0, f"--bucket_cap_mb must be > 0, got {bucket_mb}")
+    bucket_bytes = round((bucket_mb or DDP_BUCKET_BYTES / 2**20) * 2**20)
+    if cfg is None:
         return custom_network(question.network_params, question.grad_bytes, bucket_bytes), batch, epoch_images
-    net = inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"), bucket_bytes)
-    return net, batch, epoch_images
+    return inspect_network(cfg["model"]["class_path"], cfg["model"].get("init_args"), bucket_bytes), batch, epoch_images
 
 
 def run_forecast(question: Question = Question(), user: Overrides = Overrides(), paths: Paths = Paths()) -> Path:
@@ -438,16 +415,16 @@ def run_forecast(question: Question = Question(), user: Overrides = Overrides(),
     custom = question.network_params is not None
     layouts = forecast_ways(question, None if custom else _experiment(question.config), question.devices,
                             result.batch, question.batch_mode, result.setting) if question.asked else []
-    preset = hardware_preset(question.hardware)
     rows = [forecast_row(b, result.epoch_images, stage_gib(result.memory, b.point.devices)) for b in result.bands]
     root = next_version(Path(paths.out) / result.model)
     root.mkdir(parents=True)
+    accelerator = "cpu" if hardware_preset(question.hardware).device == "cpu" else "gpu"
     measured, measured_from = ([], None) if custom else newest_report(Path(paths.scaling_dir) / result.model,
-                                                                       "cpu" if preset.device == "cpu" else "gpu")
+                                                                       accelerator)
     title = f"{result.model} on {question.hardware}: batch {result.batch} {question.batch_mode.replace('_', '-')}"
-    section = ways_section(layouts, question.memory_budget_gib, question.block_costs) if layouts else []
+    section = ["", *ways_section(layouts, question.memory_budget_gib, question.block_costs)] if layouts else []
     write_markdown(rows, result.notes, root, title, str(measured_from) if measured_from else "",
-                   memory_section(result.memory, question.devices) + (["", *section] if layouts else []))
+                   memory_section(result.memory, question.devices) + section)
     write_csv(rows, root)
     if layouts:
         write_layouts(layouts, root)

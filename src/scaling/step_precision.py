@@ -1,8 +1,6 @@
-"""The precision of the one-device step a forecast starts from, set against the precision the config trains in.
-
-The predictor has few measured steps: the CPU calibration (Lightning's default precision, 32-true), and on the GPU
-presets one step per network at the precision it was measured in (`src.scaling.hardware.DEVICES`). When no step of
-the config's own precision exists, the forecast says which one it used instead, and why.
+"""The precision of the one-device step a forecast starts from (the CPU calibration's, or a GPU preset's measured
+step per network, `src.scaling.hardware.DEVICES`), set against the precision the config trains in; where they
+differ, the forecast says which one it used, and why.
 """
 
 from src.scaling.hardware import DEVICES, REFERENCE_GPU
@@ -50,8 +48,7 @@ def precision_line(config: str | None, device: str, net: Network, user_step: boo
         config: The config's precision (`config_precision`), or None without a config (--network_params).
         device: Key of `src.scaling.hardware.DEVICES`.
         net: The network.
-        user_step: Whether the user gave the step (--measured_images_per_s, or --seconds_per_image with
-            --overhead_s).
+        user_step: Whether the user gave the step (--measured_images_per_s, or --seconds_per_image with --overhead_s).
     """
     if user_step:
         return f"precision: that of your own step figures{f' (the config asks for {config})' if config else ''}"
