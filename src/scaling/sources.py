@@ -10,8 +10,8 @@ from pathlib import Path
 
 from src.scaling.cost_fit import fit_line
 from src.scaling.cost_model import Compute, Link
-from src.scaling.hardware import (ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, did_you_mean,
-                                   link_names)
+from src.scaling.hardware import (ACHIEVED_SHARE, CALIBRATED_LINKS, DEVICES, LINKS, REFERENCE_GPU, link_names,
+                                   unknown)
 from src.scaling.layer_profile import Network, inspect_network
 
 # Shipped inside the package (package data), so it is found wherever the package is installed, whatever the
@@ -70,14 +70,11 @@ class Overrides:
 
 
 def load_calibration(path: str) -> dict:
-    """The calibration file at `path`, parsed.
+    """The calibration file at `path`, parsed: "date", "hardware", "allreduce" (alpha seconds and beta seconds per
+    byte per implementation) and "compute" (overhead seconds and seconds per image per network).
 
     Args:
         path: A JSON file written by `python -m src.forecast --calibrate`.
-
-    Returns:
-        Its content: "date", "hardware", "allreduce" (alpha seconds and beta seconds per byte per
-        implementation) and "compute" (overhead seconds and seconds per image per network).
 
     Raises:
         ValueError: The file does not exist (the message gives the command that makes it).
@@ -89,75 +86,57 @@ def load_calibration(path: str) -> dict:
 
 
 def resolve_link(name: str, calibration: str) -> tuple[Link, str]:
-    """The link called `name` at its achieved bandwidth, and a line saying where its numbers come from.
-
-    Args:
-        name: A published link preset (`src.scaling.hardware.LINKS`) or a calibrated one (gloo-loopback,
-            gloo-loopback-ours).
-        calibration: Calibration file, read only for a calibrated link.
-
-    Returns:
-        (link with alpha in seconds and beta in seconds per byte, provenance line).
-
-    Raises:
-        ValueError: Unknown name (the valid ones are listed), or a calibrated link without the calibration file.
-    """
+    """`resolve_links` without the line-rate link: (achieved link, provenance line); its Args and Raises."""
     achieved, _, note = resolve_links(name, calibration)
     return achieved, note
 
 
 def resolve_links(name: str, calibration: str) -> tuple[Link, Link, str]:
-    """The link called `name` at its achieved bandwidth and at its line rate, and its provenance line.
-
-    A calibrated link's measured bandwidth is both: what was measured is what it achieves.
+    """(achieved link, line-rate link, provenance line) of the link called `name`, alpha in seconds and beta in
+    seconds per byte. A calibrated link's measured bandwidth is both: what was measured is what it achieves.
 
     Args:
-        name: As `resolve_link`.
-        calibration: As `resolve_link`.
-
-    Returns:
-        (achieved link, line-rate link, provenance line).
+        name: A published link preset (`src.scaling.hardware.LINKS`) or a calibrated one (gloo-loopback,
+            gloo-loopback-ours, lab, lab-gloo).
+        calibration: Calibration file, read only for a calibrated link.
 
     Raises:
-        ValueError: As `resolve_link`.
+        ValueError: Unknown name (the valid ones are listed), or a calibrated link without the calibration file or
+            without its timings in it.
     """
     if name in LINKS:
         p = LINKS[name]
-        achieved = (f"[published: {p.achieved_source}]" if p.achieved_kind == "published" else
+        achieved = (f"[published: {p.achieved_source}]" if p.achieved_bytes_s else
                     f"[assumed: {ACHIEVED_SHARE:.0%} of the line rate, NCCL's share on H100 NVLink]")
         return p.link(), p.line_link(), (
             f"{p.description}: alpha {p.alpha_s * 1e6:.1f} us [{p.alpha_kind}], achieved bandwidth "
             f"{p.achieved / 1e9:.2f} GB/s per direction {achieved}, line rate {p.bandwidth_bytes_s / 1e9:.2f} "
             f"GB/s [{p.bandwidth_kind}] (the optimistic end of the range); {p.source}")
-    if name in CALIBRATED_LINKS:
-        key, description = CALIBRATED_LINKS[name]
-        cal = load_calibration(calibration)
-        if key not in cal.get("allreduce", {}):
-            raise ValueError(f"{calibration} has no timings of the {name} link: measure them as root with "
-                             "`python -m src.lab run --machines 2 --link none -- benchmarks/allreduce_speed.py lab "
-                             f"--calibration {calibration}`")
-        fit = cal["allreduce"][key]
-        link = Link(fit["alpha_s"], fit["beta_s_per_byte"])
-        return link, link, (
-            f"{description}: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {1e-9 / fit['beta_s_per_byte']:.2f} "
-            f"GB/s [measured: least squares over {len(fit['samples'])} timings, relative error rms "
-            f"{fit['fit']['rms_rel_err']:.0%}, max {fit['fit']['max_rel_err']:.0%}; "
-            f"{fit.get('hardware', cal['hardware'])}, {fit.get('date', cal['date'])}, {calibration}]")
-    raise ValueError(f"unknown link {name!r}{did_you_mean(name, link_names())}; choose one of: "
-                     f"{', '.join(link_names())}")
+    if name not in CALIBRATED_LINKS:
+        raise unknown("link", name, link_names())
+    key, description = CALIBRATED_LINKS[name]
+    cal = load_calibration(calibration)
+    if key not in cal.get("allreduce", {}):
+        raise ValueError(f"{calibration} has no timings of the {name} link: measure them as root with "
+                         "`python -m src.lab run --machines 2 --link none -- benchmarks/allreduce_speed.py lab "
+                         f"--calibration {calibration}`")
+    fit = cal["allreduce"][key]
+    link = Link(fit["alpha_s"], fit["beta_s_per_byte"])
+    return link, link, (
+        f"{description}: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {1e-9 / fit['beta_s_per_byte']:.2f} "
+        f"GB/s [measured: least squares over {len(fit['samples'])} timings, relative error rms "
+        f"{fit['fit']['rms_rel_err']:.0%}, max {fit['fit']['max_rel_err']:.0%}; "
+        f"{fit.get('hardware', cal['hardware'])}, {fit.get('date', cal['date'])}, {calibration}]")
 
 
 def user_link(link: Link, note: str, alpha_s: float | None, beta_s_per_byte: float | None) -> tuple[Link, str]:
-    """`link` with the user's alpha and / or beta in place of its own, and the matching provenance line.
+    """(link, provenance line): `link` with the user's alpha and / or beta in place of its own.
 
     Args:
         link: The preset's or calibration's link.
         note: Its provenance line, kept when the user gives neither number.
         alpha_s: The user's latency per message, seconds, or None.
         beta_s_per_byte: The user's seconds per byte, or None.
-
-    Returns:
-        (link, provenance line).
     """
     if alpha_s is None and beta_s_per_byte is None:
         return link, note
@@ -165,30 +144,9 @@ def user_link(link: Link, note: str, alpha_s: float | None, beta_s_per_byte: flo
     return link, f"[user] alpha {link.alpha * 1e6:.1f} us, bandwidth {1e-9 / link.beta:.2f} GB/s"
 
 
-def reference_gpu(networks: dict[str, Network]) -> tuple[float, float]:
-    """The reference GPU's per-step overhead and achieved arithmetic rate, from its two measured steps.
-
-    t = overhead + batch * flops / rate through both measured (batch, seconds) points: LeNet's step is nearly
-    all overhead and ResNet-18's mostly arithmetic, so together they separate the two.
-
-    Args:
-        networks: At least the networks measured on the reference GPU, by class name.
-
-    Returns:
-        (overhead seconds per step, achieved FLOP/s).
-
-    Raises:
-        KeyError: A network measured on the reference GPU is missing from `networks`.
-    """
-    steps = DEVICES[REFERENCE_GPU].measured_steps
-    points = [(b * networks[name].train_flops_per_image, t) for name, (b, t, _, _) in steps.items()]
-    overhead, seconds_per_flop = fit_line(points)
-    return overhead, 1.0 / seconds_per_flop
-
-
 def resolve_compute(device: str, net: Network, calibration: str, seconds_per_image: float | None,
                     overhead_s: float | None) -> tuple[Compute, str]:
-    """The per-replica compute model of `net` on `device` and a line saying where it comes from.
+    """(compute model, provenance line): the per-replica compute of `net` on `device` and where it comes from.
 
     Args:
         device: Key of `src.scaling.hardware.DEVICES`: "cpu" (calibrated), "gpu" (the user's numbers only), or
@@ -198,9 +156,6 @@ def resolve_compute(device: str, net: Network, calibration: str, seconds_per_ima
         seconds_per_image: The user's seconds per image and replica, or None.
         overhead_s: The user's fixed seconds per step and replica, or None.
 
-    Returns:
-        (compute model, provenance line).
-
     Raises:
         ValueError: "gpu" without both user numbers, a missing calibration file, or a calibration file with no
             compute for this network (each message says what to run or give).
@@ -209,66 +164,64 @@ def resolve_compute(device: str, net: Network, calibration: str, seconds_per_ima
         return Compute(overhead_s, seconds_per_image), "[user] --overhead_s and --seconds_per_image"
     if device == "gpu":
         raise ValueError("hardware preset with a GPU of unstated model: give --seconds_per_image and --overhead_s")
-    if device == "cpu":
-        return _calibrated_cpu(net, calibration, seconds_per_image, overhead_s)
-    from src.models.classifier import LeNetClassifier, ResNet18Classifier
-
-    ref = {net.class_name: net}  # build only the reference networks not built already (ResNet-18: about 1 s)
-    for cls in (LeNetClassifier, ResNet18Classifier):
-        if cls.__name__ not in ref:
-            ref[cls.__name__] = inspect_network(f"{cls.__module__}.{cls.__name__}")
-    ref_overhead, ref_rate = reference_gpu(ref)
-    preset = DEVICES[device]
-    if net.class_name in preset.measured_steps:
-        batch, seconds, _, how = preset.measured_steps[net.class_name]
-        per_image = (seconds - ref_overhead) / batch
-        note = (f"[measured] step {seconds * 1e3:.2f} ms at batch {batch} ({how}); overhead "
-                f"{ref_overhead * 1e3:.2f} ms/step and {ref_rate / 1e12:.0f} TFLOP/s achieved from the "
-                f"{REFERENCE_GPU}'s measured LeNet and ResNet-18 steps (a line through both)")
-    else:
-        share = ref_rate / DEVICES[REFERENCE_GPU].peak_flops
-        rate = share * preset.peak_flops
-        per_image = net.train_flops_per_image / rate
-        note = (f"[assumed] {net.train_flops_per_image / 1e9:.3f} GFLOP per image at {rate / 1e12:.0f} TFLOP/s: "
-                f"the {REFERENCE_GPU}'s measured {ref_rate / 1e12:.0f} TFLOP/s ({share:.0%} "
-                f"of its peak) scaled to this device's peak ({preset.source}); overhead {ref_overhead * 1e3:.2f} "
-                f"ms/step as measured on the {REFERENCE_GPU} (host-side work, assumed the same)")
-    compute = Compute(ref_overhead if overhead_s is None else overhead_s,
-                      per_image if seconds_per_image is None else seconds_per_image)
-    return compute, note
+    overhead, per_image, note = _calibrated_cpu(net, calibration) if device == "cpu" else _gpu_model(device, net)
+    return Compute(overhead if overhead_s is None else overhead_s,
+                   per_image if seconds_per_image is None else seconds_per_image), note
 
 
-def _calibrated_cpu(net: Network, calibration: str, seconds_per_image: float | None,
-                    overhead_s: float | None) -> tuple[Compute, str]:
-    """`resolve_compute` for the CPU: the calibration file's line for `net`, where the user gave no number.
-
-    Raises:
-        ValueError: The file has no compute calibration for this network (the message says what to run).
-    """
+def _calibrated_cpu(net: Network, calibration: str) -> tuple[float, float, str]:
+    """(overhead s, seconds per image, note) of `net` from the calibration file; ValueError if it lacks `net`."""
     cal = load_calibration(calibration)
     if net.class_name not in cal.get("compute", {}):
         raise ValueError(f"{calibration} has no compute calibration for {net.class_name} (it has "
                          f"{', '.join(cal.get('compute', {})) or 'none'}): run `python -m src.forecast "
                          f"--calibrate --calibrate_configs '[\"<your config>\"]'`")
     c = cal["compute"][net.class_name]
-    compute = Compute(overhead_s if overhead_s is not None else c["overhead_s"],
-                      seconds_per_image if seconds_per_image is not None else c["seconds_per_image"])
-    note = (f"[measured: a line through the median step times at batches "
-            f"{sorted({b for b, _ in c['samples']})}, {c['threads']} thread(s), relative error rms "
-            f"{c['fit']['rms_rel_err']:.0%}; {cal['hardware']}, {cal['date']}]")
-    return compute, note
+    return c["overhead_s"], c["seconds_per_image"], (
+        f"[measured: a line through the median step times at batches {sorted({b for b, _ in c['samples']})}, "
+        f"{c['threads']} thread(s), relative error rms {c['fit']['rms_rel_err']:.0%}; {cal['hardware']}, "
+        f"{cal['date']}]")
+
+
+def _gpu_model(device: str, net: Network) -> tuple[float, float, str]:
+    """(overhead s, seconds per image, note) of `net` on a GPU model, from the reference GPU's measured steps.
+
+    t = overhead + batch * flops / rate through the reference GPU's two measured (batch, seconds) points: LeNet's
+    step is nearly all overhead and ResNet-18's mostly arithmetic, so together they separate the two.
+    """
+    from src.models.classifier import LeNetClassifier, ResNet18Classifier
+
+    ref = {net.class_name: net}  # build only the reference networks not built already (ResNet-18: about 1 s)
+    for cls in (LeNetClassifier, ResNet18Classifier):
+        if cls.__name__ not in ref:
+            ref[cls.__name__] = inspect_network(f"{cls.__module__}.{cls.__name__}")
+    steps = DEVICES[REFERENCE_GPU].measured_steps
+    ref_overhead, seconds_per_flop = fit_line([(b * ref[name].train_flops_per_image, t)
+                                               for name, (b, t, _, _) in steps.items()])
+    ref_rate = 1.0 / seconds_per_flop
+    preset = DEVICES[device]
+    if net.class_name in preset.measured_steps:
+        batch, seconds, _, how = preset.measured_steps[net.class_name]
+        return ref_overhead, (seconds - ref_overhead) / batch, (
+            f"[measured] step {seconds * 1e3:.2f} ms at batch {batch} ({how}); overhead "
+            f"{ref_overhead * 1e3:.2f} ms/step and {ref_rate / 1e12:.0f} TFLOP/s achieved from the "
+            f"{REFERENCE_GPU}'s measured LeNet and ResNet-18 steps (a line through both)")
+    share = ref_rate / DEVICES[REFERENCE_GPU].peak_flops
+    rate = share * preset.peak_flops
+    return ref_overhead, net.train_flops_per_image / rate, (
+        f"[assumed] {net.train_flops_per_image / 1e9:.3f} GFLOP per image at {rate / 1e12:.0f} TFLOP/s: "
+        f"the {REFERENCE_GPU}'s measured {ref_rate / 1e12:.0f} TFLOP/s ({share:.0%} "
+        f"of its peak) scaled to this device's peak ({preset.source}); overhead {ref_overhead * 1e3:.2f} "
+        f"ms/step as measured on the {REFERENCE_GPU} (host-side work, assumed the same)")
 
 
 def resolve_overlap(device: str, net: Network, overlap: float | None) -> tuple[float, str]:
-    """The share (0..1) of the exchange that runs during backward, and a line saying where it comes from.
+    """(share, provenance line): the share (0..1) of the exchange that runs during backward, and where it comes from.
 
     Args:
         device: Key of `src.scaling.hardware.DEVICES`.
         net: The network (its last bucket's share of the gradient bytes).
         overlap: The user's share, or None for the default.
-
-    Returns:
-        (share, provenance line).
     """
     if overlap is not None:
         return overlap, f"[user] {overlap}"
