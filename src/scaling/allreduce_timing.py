@@ -1,9 +1,5 @@
-"""Timed allreduce between processes on gloo over loopback: our point-to-point ring and `dist.all_reduce`.
-
-For each buffer size (float32) the two implementations alternate, `repeats` times each after one warm-up call;
-every call starts after a barrier and its time is the slowest process's. The calibration
-(`src.scaling.calibrate`) fits its alpha and beta on these times, and `python -m benchmarks.allreduce_speed
-processes` prints them as a table.
+"""Timed allreduce between processes on gloo over loopback: our point-to-point ring and `dist.all_reduce`, what
+`src.scaling.calibrate` fits alpha and beta on and `python -m benchmarks.allreduce_speed processes` prints.
 """
 
 import json
@@ -24,7 +20,7 @@ NAMES = {516_272: "LeNet", 44_684_072: "ResNet-18"}
 
 
 def _timed(fn: Callable[[torch.Tensor], object], buffer: torch.Tensor) -> float:
-    """Seconds of one call, the slowest process's (max-reduced)."""
+    """Seconds of one call from a barrier, the slowest process's (max-reduced)."""
     dist.barrier()
     start = time.perf_counter()
     fn(buffer)
@@ -34,8 +30,7 @@ def _timed(fn: Callable[[torch.Tensor], object], buffer: torch.Tensor) -> float:
 
 
 def _worker(rank: int, world: int, port: int, repeats: int, sizes: Sequence[int], out) -> None:
-    # one thread per process, as each of DDP's processes gets on a 2-core CPU
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as each of DDP's processes gets on a 2-core CPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         for size in sizes:
@@ -43,7 +38,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, sizes: Sequence[int]
             for fn in (ring_allreduce_, torch_allreduce_):
                 fn(buffer)  # warm-up: connections, allocations
             times = {"ring": [], "torch": []}
-            for _ in range(repeats):
+            for _ in range(repeats):  # alternated, so a busy spell slows both
                 times["ring"].append(_timed(ring_allreduce_, buffer))
                 times["torch"].append(_timed(torch_allreduce_, buffer))
             if rank == 0:
@@ -57,7 +52,7 @@ def time_allreduces(world: int, repeats: int, sizes: Sequence[int] = SIZES) -> I
 
     Args:
         world: Processes P, >= 2.
-        repeats: Timed calls per size and implementation (the median is kept).
+        repeats: Timed calls per size and implementation (the two alternate, after one warm-up call each).
         sizes: Buffer sizes in bytes (multiples of 4: float32).
 
     Yields:

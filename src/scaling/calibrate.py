@@ -3,16 +3,10 @@
     python -m src.forecast --calibrate              # rewrites the shipped src/scaling/calibration/cpu-2core.json
     python -m src.forecast --calibrate --calibrate_processes "[2]" --calibration /tmp/cal.json
 
-1. Allreduce: `src.scaling.allreduce_timing` (P processes on loopback gloo, each call from a barrier to the
-   slowest process, median of `repeats`) over its size sweep (4 KiB to 64 MiB), for `dist.all_reduce` (what DDP
-   uses) and our point-to-point ring; alpha and beta of each fitted by least squares on relative error
-   (`src.scaling.cost_fit.fit_alpha_beta`, the ring's 2(P-1)·alpha + 2(P-1)/P·n·beta). The three sizes the
-   allreduce check judges (`CHECK_SIZES`: 64 KiB, LeNet's and ResNet-18's gradients) are timed and kept in the
-   file but left out of the fit, so that the check tests sizes the fit has not seen.
-2. Compute: the experiment's LightningModule trained by the real Trainer on synthetic 28x28 images (the
-   arithmetic does not depend on the pixels) with one intra-op thread, as each of DDP's processes gets on a
-   2-core CPU; the time between consecutive training-batch ends (data, forward, backward, optimizer, hooks)
-   at several batch sizes, fitted with a line: overhead + batch·seconds_per_image.
+1. Allreduce (`measure_allreduce`, `fit_allreduce`): ring's 2(P-1)·alpha + 2(P-1)/P·n·beta fitted on relative
+   error to each implementation's timings; the sizes the allreduce check judges (`CHECK_SIZES`) are timed and kept
+   but left out of the fit, so that the check tests sizes the fit has not seen.
+2. Compute (`measure_compute`): overhead + batch·seconds_per_image fitted to the real Trainer's step times.
 
 Takes a few minutes and loads every core: nothing else should run meanwhile.
 """
@@ -48,6 +42,18 @@ def _fit_summary(errors: list[float]) -> dict:
     return {"rms_rel_err": (sum(e * e for e in errors) / len(errors)) ** 0.5, "max_rel_err": max(map(abs, errors))}
 
 
+def _fit_link(rows: list[list], what: str, tail: str) -> tuple[dict, list[float]]:
+    """Alpha and beta fitted to `rows` ([p, bytes, seconds]) on relative error, printed with `tail`: the entry's
+    first keys, and the relative errors."""
+    alpha, beta = fit_alpha_beta(rows)
+    errors = relative_errors(rows, alpha, beta)
+    entry = {"what": what, "alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_GB_s": 1e-9 / beta,
+             "fit": _fit_summary(errors)}
+    print(f"fit {what}: alpha {alpha * 1e6:.1f} us, {1e-9 / beta:.2f} GB/s, relative error rms "
+          f"{entry['fit']['rms_rel_err']:.0%} {tail}", flush=True)
+    return entry, errors
+
+
 def fit_allreduce(samples: list[list], what: str) -> dict:
     """Alpha and beta of one implementation, fitted on the samples whose size is not one of `CHECK_SIZES`.
 
@@ -63,20 +69,15 @@ def fit_allreduce(samples: list[list], what: str) -> dict:
         ValueError: Too few samples outside the check sizes.
     """
     fitted = [s for s in samples if s[1] not in CHECK_SIZES]
-    alpha, beta = fit_alpha_beta(fitted)
-    errors = relative_errors(fitted, alpha, beta)
-    per_p = {str(p): _fit_summary([e for (q, _, _), e in zip(fitted, errors) if q == p])
-             for p in sorted({s[0] for s in fitted})}
-    result = {"what": what, "alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_GB_s": 1e-9 / beta,
-              "fit": {**_fit_summary(errors), "per_p": per_p}, "held_out_sizes": sorted(CHECK_SIZES),
-              "samples": samples}
-    print(f"fit {what}: alpha {alpha * 1e6:.1f} us, {1e-9 / beta:.2f} GB/s, relative error rms "
-          f"{result['fit']['rms_rel_err']:.0%} on {len(fitted)} samples (check sizes held out)", flush=True)
-    return result
+    result, errors = _fit_link(fitted, what, f"on {len(fitted)} samples (check sizes held out)")
+    result["fit"]["per_p"] = {str(p): _fit_summary([e for (q, _, _), e in zip(fitted, errors) if q == p])
+                              for p in sorted({s[0] for s in fitted})}
+    return {**result, "held_out_sizes": sorted(CHECK_SIZES), "samples": samples}
 
 
 def measure_allreduce(processes: list[int], repeats: int) -> list[dict]:
-    """Median seconds of both allreduce implementations for every size of the sweep and every P.
+    """Median seconds of both allreduce implementations (`src.scaling.allreduce_timing`) for every size of its
+    sweep and every P.
 
     Args:
         processes: Process counts P, each >= 2.
@@ -100,7 +101,8 @@ def measure_allreduce(processes: list[int], repeats: int) -> list[dict]:
 
 
 def _timed_steps(class_path: str, init_args: dict, batch: int, steps: int, root: str) -> list[float]:
-    """Seconds between consecutive training-batch ends of `steps` steps (the first two dropped)."""
+    """Seconds between consecutive training-batch ends (data, forward, backward, optimizer, hooks) of `steps`
+    steps, the first two dropped."""
     import lightning.pytorch as pl
 
     from src.data.fashion_mnist import FashionMNISTDataModule
@@ -112,21 +114,19 @@ def _timed_steps(class_path: str, init_args: dict, batch: int, steps: int, root:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(time.perf_counter())
 
-    model = built_module(class_path, init_args)
     timer = Intervals()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[timer])
-    trainer.fit(model, FashionMNISTDataModule(root, batch_size=batch, val_size=100, download=False))
-    gaps = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
-    return gaps[2:]
+    trainer.fit(built_module(class_path, init_args),
+                FashionMNISTDataModule(root, batch_size=batch, val_size=100, download=False))
+    return [b - a for a, b in zip(timer.ends, timer.ends[1:])][2:]
 
 
 def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dict:
-    """Per-network line overhead + batch·seconds_per_image from timed training steps on one thread.
-
-    The data are synthetic IDX files (`src.data.synthetic`) in a temporary folder: the arithmetic of a step
-    does not depend on the pixels.
+    """Per-network line overhead + batch·seconds_per_image from timed training steps on one thread (as each of
+    DDP's processes gets on a 2-core CPU), on synthetic IDX files (`src.data.synthetic`) in a temporary folder:
+    the arithmetic of a step does not depend on the pixels.
 
     Args:
         configs: Experiment configs (their model.class_path and init_args are built).
@@ -146,17 +146,16 @@ def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dic
     from src.data.synthetic import write_fashion_mnist
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # one replica per core, as DDP's processes get on this CPU
+    torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="fmnist-calibrate-")
     write_fashion_mnist(Path(root) / "FashionMNIST" / "raw", n_train=100 + 256 * (steps + 2), n_test=100)
     result = {}
     for config in configs:
         model = (yaml.safe_load(Path(config).read_text()) or {})["model"]
         cls_name = model["class_path"].rpartition(".")[2]
-        batches = BATCHES.get(cls_name, DEFAULT_BATCHES)
-        times: dict[int, list[float]] = {b: [] for b in batches}
+        times: dict[int, list[float]] = {b: [] for b in BATCHES.get(cls_name, DEFAULT_BATCHES)}
         for _ in range(rounds):  # alternate the batch sizes: the machine drifts between minutes
-            for b in batches:
+            for b in times:
                 times[b] += _timed_steps(model["class_path"], model.get("init_args") or {}, b, steps, root)
         samples = [[b, statistics.median(t)] for b, t in times.items()]
         overhead, per_image = fit_line([(b, t) for b, t in samples])
@@ -169,7 +168,7 @@ def measure_compute(configs: list[str], steps: int = 10, rounds: int = 2) -> dic
 
 
 def calibrate(path: str, configs: list[str], processes: list[int], repeats: int) -> Path:
-    """Measure, fit and write the calibration file `path` (through a temporary name, then renamed).
+    """Measure, fit and write the calibration file `path` (its lab links, `LAB_KEYS`, kept).
 
     Args:
         path: File to write; its folder is created if needed. `python -m src.forecast --calibrate` passes the
@@ -211,8 +210,7 @@ def calibrate(path: str, configs: list[str], processes: list[int], repeats: int)
 
 
 def _lab_links(path: str) -> dict:
-    """The lab's link entries (`LAB_KEYS`) of the calibration file at `path`, if any: this machine's
-    calibration does not measure them, so a rewrite keeps them."""
+    """The lab's entries (`LAB_KEYS`) of the calibration file at `path`, if any, which a rewrite keeps."""
     try:
         old = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -256,12 +254,8 @@ def write_lab_links(path: str, samples: dict[str, list[list]], hardware: str, co
     for key, rows in samples.items():
         if key not in ("ring", "torch"):
             raise ValueError(f"unknown implementation {key!r}: give ring or torch timings")
-        alpha, beta = fit_alpha_beta(rows)
         what = ("our point-to-point ring" if key == "ring" else "dist.all_reduce") + " between unshaped lab machines"
-        entry = {"what": what, "alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_GB_s": 1e-9 / beta,
-                 "fit": _fit_summary(relative_errors(rows, alpha, beta)), "date": date, "hardware": hardware,
-                 "command": command, "samples": rows}
-        cal.setdefault("allreduce", {})[f"lab_{key}"] = entry
-        print(f"fit {what}: alpha {alpha * 1e6:.1f} us, {1e-9 / beta:.2f} GB/s, relative error rms "
-              f"{entry['fit']['rms_rel_err']:.0%} over {len(rows)} timings", flush=True)
+        entry = _fit_link(rows, what, f"over {len(rows)} timings")[0]
+        cal.setdefault("allreduce", {})[f"lab_{key}"] = {**entry, "date": date, "hardware": hardware,
+                                                         "command": command, "samples": rows}
     return _write(path, cal)

@@ -1,15 +1,6 @@
-"""The cost model against measurements: its parameters fitted to them, and the range around a predicted step.
-
-* Fits: alpha and beta of an allreduce from its measured times (least squares on relative error), the errors
-  they leave, and a least-squares line (e.g. step seconds against images per step: overhead and seconds per
-  image of `src.scaling.cost_model.Compute`).
-* Ranges: the terms the model cannot know for sure (`Bounds`) and a step predicted at the optimistic, expected
-  and pessimistic ends of them (`predict_band`).
-
-The formulas themselves, with their sources (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009), are in
-`src.scaling.cost_model`. Units throughout: seconds, bytes, seconds per byte, images.
-
-Pure Python: importing this module loads neither torch nor Lightning.
+"""The cost model of `src.scaling.cost_model` (formulas and sources) against measurements: its parameters fitted to
+them, and the range around a predicted step. Units: seconds, bytes, seconds per byte, images. Pure Python:
+importing this module loads neither torch nor Lightning.
 """
 
 from collections.abc import Sequence
@@ -20,16 +11,11 @@ from src.scaling.cost_model import Job, Link, Links, StepPrediction, predict_ste
 
 @dataclass(frozen=True)
 class Bounds:
-    """The terms the model cannot know for sure, each as (optimistic, pessimistic) values.
+    """The terms the model cannot know for sure, each as (optimistic, pessimistic) values; the jitter and the sync
+    overhead of `src.scaling.cost_model.predict_step`."""
 
-    Args:
-        jitter: Standard deviation of one rank's step time as a share of its mean (see
-            `src.scaling.cost_model.predict_step`).
-        sync_overhead: Share of the compute added once devices > 1 (see `src.scaling.cost_model.predict_step`).
-    """
-
-    jitter: tuple[float, float]
-    sync_overhead: tuple[float, float]
+    jitter: tuple[float, float]  #: Standard deviation of one rank's step time as a share of its mean.
+    sync_overhead: tuple[float, float]  #: Share of the compute added once devices > 1.
 
     def mid(self) -> tuple[float, float]:
         """(jitter, sync_overhead) halfway between the bounds."""
@@ -46,26 +32,19 @@ class BandPrediction:
 
 
 def predict_band(job: Job, achieved: Links, line: Links, overlap: float, bounds: Bounds) -> BandPrediction:
-    """Predict one step three times: as expected, at the pessimistic end and at the optimistic end.
-
-    * point: links at their achieved bandwidth, `overlap` as given, jitter and sync overhead halfway between
-      their bounds;
-    * low (pessimistic): achieved links, no overlap, jitter and sync overhead at their upper bounds;
-    * high (optimistic): links at their line rate, full overlap (still capped at the backward time), jitter
-      and sync overhead at their lower bounds.
+    """Predict one step three times: point (achieved links, `overlap`, jitter and sync overhead halfway between
+    their bounds), low (pessimistic: achieved links, no overlap, upper bounds) and high (optimistic: line-rate
+    links, full overlap still capped at the backward time, lower bounds).
 
     Every term is monotone in the step time, so low <= point <= high for images/s and efficiency; the range
-    widens with the device count because the expected slowest-of-p rank and the exchange both grow with it.
+    widens with the device count, as the expected slowest-of-p rank and the exchange grow with it.
 
     Args:
-        job: The job predicted (see `src.scaling.cost_model.predict_step`).
+        job: The job predicted.
         achieved: Links at the bandwidth collectives achieve (e.g. nccl-tests busbw).
         line: The same links at their line rate (the upper bound of what they can move).
         overlap: Share (0..1) of the exchange hidden behind backward for the point prediction.
         bounds: The jitter and sync-overhead bounds.
-
-    Returns:
-        The three predictions.
 
     Raises:
         ValueError: As `src.scaling.cost_model.predict_step`, or bounds with the optimistic value above the
@@ -74,31 +53,22 @@ def predict_band(job: Job, achieved: Links, line: Links, overlap: float, bounds:
     for name, (lo, hi) in (("jitter", bounds.jitter), ("sync overhead", bounds.sync_overhead)):
         if not 0 <= lo <= hi:
             raise ValueError(f"{name} bounds must satisfy 0 <= optimistic <= pessimistic, got ({lo}, {hi})")
-
-    def at(links: Links, share: float, jitter: float, sync: float) -> StepPrediction:
-        return predict_step(job, links, share, jitter, sync)
-
-    jitter, sync = bounds.mid()
-    return BandPrediction(at(achieved, overlap, jitter, sync),
-                          at(achieved, 0.0, bounds.jitter[1], bounds.sync_overhead[1]),
-                          at(line, 1.0, bounds.jitter[0], bounds.sync_overhead[0]))
+    return BandPrediction(predict_step(job, achieved, overlap, *bounds.mid()),
+                          predict_step(job, achieved, 0.0, bounds.jitter[1], bounds.sync_overhead[1]),
+                          predict_step(job, line, 1.0, bounds.jitter[0], bounds.sync_overhead[0]))
 
 
 def fit_alpha_beta(samples: Sequence[tuple[int, float, float]], algorithm: str = "ring") -> tuple[float, float]:
-    """Least-squares alpha and beta from measured allreduce times, fitted on relative error.
+    """Least-squares (alpha seconds, beta seconds per byte) from measured allreduce times, on relative error.
 
-    Each sample is (p devices, n bytes, measured seconds). The model time is linear in (alpha, beta):
-    t = a(p)·alpha + b(p, n)·beta, with a = 2(p-1), b = 2(p-1)/p·n for the ring (b = 2(p-1)·n for
-    reduce_broadcast); gamma is folded into beta. Residuals are divided by the measured time, so that a 4 KiB
-    call counts as much as a 64 MiB one. If the unconstrained fit gives a negative parameter, that one is set
-    to 0 and the other refitted.
+    The model time is linear in (alpha, beta): t = a(p)·alpha + b(p, n)·beta, with a = 2(p-1), b = 2(p-1)/p·n for
+    the ring (b = 2(p-1)·n for reduce_broadcast); gamma is folded into beta. Residuals are divided by the measured
+    time, so that a 4 KiB call counts as much as a 64 MiB one. A negative parameter of the unconstrained fit is
+    set to 0 and the other refitted.
 
     Args:
         samples: (p, n bytes, seconds) triples, p >= 2, at least two distinct a/b ratios.
         algorithm: "ring" or "reduce_broadcast" (the shape of the measured allreduce).
-
-    Returns:
-        (alpha seconds, beta seconds per byte).
 
     Raises:
         ValueError: A sample with p < 2 or a time <= 0, or too few or degenerate samples.
@@ -129,16 +99,13 @@ def fit_alpha_beta(samples: Sequence[tuple[int, float, float]], algorithm: str =
 
 def relative_errors(samples: Sequence[tuple[int, float, float]], alpha: float, beta: float,
                     algorithm: str = "ring") -> list[float]:
-    """(predicted - measured) / measured for each sample, under alpha and beta.
+    """(predicted - measured) / measured (dimensionless) for each sample in order, under alpha and beta.
 
     Args:
         samples: (p devices, n bytes, measured seconds) triples, seconds > 0.
         alpha: Latency, seconds.
         beta: Transfer time per byte, seconds per byte.
         algorithm: "ring" (`ring_allreduce_s`); anything else is timed as `reduce_broadcast_s`.
-
-    Returns:
-        One relative error (dimensionless) per sample, in order.
 
     Raises:
         ValueError: A sample with p < 1 or negative bytes.
@@ -148,13 +115,11 @@ def relative_errors(samples: Sequence[tuple[int, float, float]], alpha: float, b
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Ordinary least-squares line y = intercept + slope·x, e.g. step seconds against images per step.
+    """Ordinary least-squares line y = intercept + slope·x as (intercept, slope), e.g. step seconds against images
+    per step (`src.scaling.cost_model.Compute`'s overhead and seconds per image).
 
     Args:
         points: (x, y) pairs with at least two distinct x.
-
-    Returns:
-        (intercept, slope).
 
     Raises:
         ValueError: Fewer than two distinct x.

@@ -1,13 +1,8 @@
 """Time of one data-parallel optimizer step: compute + gradient exchange - the part of it hidden behind backward.
 
-The cost model's formulas: a replica's compute, each allreduce algorithm's time, the wait for the slowest
-of p ranks and the step that adds them up (`predict_step`). Fitting their parameters to measurements, and
-the range (optimistic to pessimistic) around a predicted step, are in `src.scaling.cost_fit`.
-
-Pure Python (math only), so it can be checked by hand and used without torch.
-
-The exchange follows the latency-bandwidth (alpha-beta-gamma) model of collective communication: a message of
-n bytes costs alpha + n·beta seconds, and reducing n bytes locally costs n·gamma seconds.
+Pure Python (math only; importing it loads neither torch nor Lightning); the fits to measurements and the range
+around a predicted step are in `src.scaling.cost_fit`. The exchange follows the latency-bandwidth (alpha-beta-gamma)
+model: a message of n bytes costs alpha + n·beta seconds, reducing n bytes locally n·gamma.
 
 * Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
   International Journal of High Performance Computing Applications 19(1), 2005 (the model; the costs of
@@ -16,10 +11,7 @@ n bytes costs alpha + n·beta seconds, and reducing n bytes locally costs n·gam
   Parallel and Distributed Computing 69(2), 2009 (the ring allreduce sends 2(p-1)/p·n bytes per device, the
   least any allreduce can).
 
-Units throughout: seconds, bytes, seconds per byte, images.
-
-The algorithm names are those of the strategy's vocabulary (`src.strategies.comm.exchange_names.EXCHANGES`), which
-is pure Python as well: importing this module loads neither torch nor Lightning.
+Units: seconds, bytes, seconds per byte, images. Algorithm names: `src.strategies.comm.exchange_names.EXCHANGES`.
 """
 
 import math
@@ -28,57 +20,46 @@ from functools import cache
 
 from src.strategies.comm.exchange_names import EXCHANGES
 
-# The exchanges with a formula here. "none" (one replica) costs nothing, and "torch" is whatever the backend
-# chooses, so it has no formula of its own: NCCL and gloo run a ring on large buffers, which is how the
-# calibration and the checks model `dist.all_reduce`.
+# "none" (one replica) costs nothing, and "torch" is the backend's choice: NCCL and gloo run a ring on large
+# buffers, which is how the calibration and the checks model `dist.all_reduce`.
 ALGORITHMS = tuple(name for name in EXCHANGES if name not in ("none", "torch"))
 
-# Backward costs about twice the forward (each layer computes two products, for the input and the weight
-# gradients, against one in the forward), so it is about 2/3 of a step's compute: the window that gradient
-# buckets can be exchanged in.
+# Backward computes two products per layer (input and weight gradients) against the forward's one, so it is
+# about 2/3 of a step's compute: the window that gradient buckets can be exchanged in.
 BACKWARD_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
 class Link:
-    """A link between devices in the alpha-beta-gamma model.
+    """A link between devices in the alpha-beta-gamma model."""
 
-    Args:
-        alpha: Latency of one message, seconds.
-        beta: Transfer time per byte, seconds per byte (1 / bandwidth in one direction).
-        gamma: Local reduction time per byte, seconds per byte (0 where the transfer dominates or where a
-            calibration's beta already includes it).
-    """
-
-    alpha: float
-    beta: float
+    alpha: float  #: Latency of one message, seconds.
+    beta: float  #: Transfer time per byte, seconds per byte (1 / bandwidth in one direction).
+    #: Local reduction time per byte, seconds per byte (0 where the transfer dominates or where a calibration's
+    #: beta already includes it).
     gamma: float = 0.0
 
 
 @dataclass(frozen=True)
 class Links:
-    """The links of one machine type: inside a node, one network port between nodes, ports per node.
+    """The links of one machine type."""
 
-    Args:
-        intra: Link between the devices of a node.
-        inter: One network port (NIC) between nodes, or None for one node only.
-        nics: Network ports per node (None: one per device).
-    """
-
-    intra: Link
-    inter: Link | None = None
-    nics: int | None = None
+    intra: Link  #: Link between the devices of a node.
+    inter: Link | None = None  #: One network port (NIC) between nodes, or None for one node only.
+    nics: int | None = None  #: Network ports per node (None: one per device).
 
 
-def _check(p: int, n: float) -> None:
+def _single(p: int, n: float) -> bool:
+    """Whether p devices have nothing to exchange (p = 1); raises ValueError for p < 1 or n < 0."""
     if p < 1:
         raise ValueError(f"device count must be >= 1, got {p}")
     if n < 0:
         raise ValueError(f"gradient bytes must be >= 0, got {n}")
+    return p == 1
 
 
 def ring_allreduce_s(p: int, n: float, link: Link) -> float:
-    """Seconds of a ring allreduce (reduce-scatter then all-gather) of n bytes over p devices.
+    """Seconds of a ring allreduce (reduce-scatter then all-gather) of n bytes over p devices; 0 for p = 1.
 
     2(p-1)·alpha + 2(p-1)/p·n·beta + (p-1)/p·n·gamma: 2(p-1) rounds, in each every device sends one chunk of
     n/p bytes to its neighbour; the first p-1 rounds add the received chunk into its own (Thakur et al. 2005,
@@ -89,14 +70,10 @@ def ring_allreduce_s(p: int, n: float, link: Link) -> float:
         n: Bytes of gradient on each device.
         link: The slowest link the ring crosses: every round waits for it.
 
-    Returns:
-        Seconds; 0 for p = 1.
-
     Raises:
         ValueError: p < 1 or n < 0.
     """
-    _check(p, n)
-    if p == 1:
+    if _single(p, n):
         return 0.0
     return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * n * link.beta + (p - 1) / p * n * link.gamma
 
@@ -104,26 +81,19 @@ def ring_allreduce_s(p: int, n: float, link: Link) -> float:
 def reduce_broadcast_s(p: int, n: float, link: Link) -> float:
     """Seconds of reduce-to-one-device then broadcast of n bytes by copies (d2l.ai's from-scratch allreduce).
 
-    2(p-1)·(alpha + n·beta) + (p-1)·n·gamma: the root receives and adds the p-1 other devices' whole buffers
-    one after another, then sends the sum to each of them (linear reduce and broadcast, Thakur et al. 2005,
-    sec. 2): the root's link carries 2(p-1)·n bytes while the others carry 2n. `nn.DataParallel` does not
-    copy this way: it reduces with NCCL reduce and broadcasts with NCCL broadcast
-    (`comm.reduce_add_coalesced`, `comm.broadcast_coalesced` in
-    https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/comm.py), which NCCL pipelines.
+    2(p-1)·(alpha + n·beta) + (p-1)·n·gamma, 0 for p = 1: the root receives and adds the other devices' whole
+    buffers one after another, then sends the sum to each (linear reduce and broadcast, Thakur et al. 2005,
+    sec. 2). `nn.DataParallel` uses NCCL reduce and broadcast instead, which NCCL pipelines (`reduce_add_coalesced`,
+    `broadcast_coalesced` in https://github.com/pytorch/pytorch/blob/main/torch/nn/parallel/comm.py).
 
     Args:
-        p: Devices, >= 1.
-        n: Bytes of gradient on each device.
+        p, n: As in `ring_allreduce_s`.
         link: The root's link.
-
-    Returns:
-        Seconds; 0 for p = 1.
 
     Raises:
         ValueError: p < 1 or n < 0.
     """
-    _check(p, n)
-    if p == 1:
+    if _single(p, n):
         return 0.0
     return 2 * (p - 1) * (link.alpha + n * link.beta) + (p - 1) * n * link.gamma
 
@@ -131,89 +101,70 @@ def reduce_broadcast_s(p: int, n: float, link: Link) -> float:
 def hierarchical_s(p: int, n: float, per_node: int, intra: Link, inter: Link) -> float:
     """Seconds of a two-level allreduce: intra-node reduce-scatter, inter-node ring, intra-node all-gather.
 
-    Horovod's hierarchical allreduce in the shape of https://github.com/horovod/horovod/pull/411 (September
-    2018: reduce-scatter, allreduce, all-gather; the first version, https://github.com/horovod/horovod/pull/329,
-    June 2018, was NCCL reduce, MPI allreduce, NCCL broadcast, our reduce_broadcast shape inside a node): the g
-    devices of a node reduce-scatter on the fast link (each keeps the node's sum of n/g bytes), device k of
-    every node allreduces its n/g bytes with device k of the other nodes in a ring over the inter-node link
-    (the g rings run side by side over the node's network ports), and an all-gather inside the node gives every
-    device every chunk. Intra-node reduce-scatter + all-gather cost what a ring allreduce over g devices costs.
+    Horovod's hierarchical allreduce as in https://github.com/horovod/horovod/pull/411 (the first version,
+    https://github.com/horovod/horovod/pull/329, was NCCL reduce, MPI allreduce, NCCL broadcast): device k of
+    every node rings its node's n/g-byte share with device k of the others, g rings side by side over the node's
+    network ports; the two intra-node steps cost one ring allreduce over g devices.
 
     Args:
-        p: Devices in all, >= 1.
-        n: Bytes of gradient on each device.
+        p, n: As in `ring_allreduce_s`.
         per_node: Devices per node g, >= 1; nodes = ceil(p / g), and a job within one node is one intra ring.
         intra: Link between devices of a node.
         inter: Link between nodes, as each device sees it (its share of the node's network ports).
 
-    Returns:
-        Seconds.
-
     Raises:
         ValueError: p < 1, n < 0 or per_node < 1.
     """
-    _check(p, n)
+    _single(p, n)
     if per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {per_node}")
     g = min(p, per_node)
-    nodes = math.ceil(p / g)
-    return ring_allreduce_s(g, n, intra) + ring_allreduce_s(nodes, n / g, inter)
+    return ring_allreduce_s(g, n, intra) + ring_allreduce_s(math.ceil(p / g), n / g, inter)
 
 
 def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, inter: Link | None,
                 messages: int = 1, nics: int | None = None) -> float:
     """Seconds of one step's gradient exchange with `algorithm`, within one node or across nodes.
 
-    A flat ring that spans nodes runs at the slower of the intra-node link and the node's network ports
-    together: NCCL lays its rings over all of a node's NICs, so the node-to-node hop of the ring moves
-    nics times one NIC's bandwidth (e.g. 8 x 24 GB/s = 192 GB/s of allreduce busbw between DGX A100 nodes, as
-    NCCL's maintainers measured, https://github.com/NVIDIA/nccl/issues/812). The hierarchical algorithm's
-    inter-node rings share the same ports, so each device's ring gets nics / per_node of them. The root of
-    reduce_broadcast receives from (and sends to) the intra-node devices on the fast link and the others
-    through its one NIC.
+    A flat ring across nodes runs at the slower of the intra-node link and all of a node's NICs, over which NCCL
+    lays its rings (8 x 24 GB/s = 192 GB/s of allreduce busbw between DGX A100 nodes,
+    https://github.com/NVIDIA/nccl/issues/812); each hierarchical inter-node ring gets nics / per_node of them;
+    the root of reduce_broadcast reaches its own node on the fast link and the others through its one NIC.
 
     Args:
         algorithm: "ring", "reduce_broadcast" or "hierarchical".
-        p: Devices in all, >= 1.
-        n: Bytes of gradient per device.
+        p, n: As in `ring_allreduce_s`.
         per_node: Devices per node.
         intra: Link inside a node.
         inter: One network port (NIC) between nodes; needed only when p > per_node.
-        messages: Separate allreduce calls per step (gradient buckets, or one per parameter tensor as in d2l.ai's
-            from-scratch code), each of n / messages bytes: each pays the latency terms.
+        messages: Allreduce calls per step (buckets, or d2l.ai's one per tensor), each of n / messages bytes.
         nics: Network ports per node (default one per device, per_node).
 
-    Returns:
-        Seconds.
-
     Raises:
-        ValueError: Unknown algorithm, p < 1, n < 0, messages < 1, nics < 1, or p > per_node without an
-            inter-node link.
+        ValueError: Unknown algorithm, p < 1, n < 0, messages < 1, nics < 1, or p > per_node without `inter`.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if messages < 1:
         raise ValueError(f"messages per step must be >= 1, got {messages}")
-    _check(p, n)
+    _single(p, n)
     if p > per_node and inter is None:
         raise ValueError(f"{p} devices need more than one node of {per_node}: give an inter-node link")
     chunk = n / messages
     nics = per_node if nics is None else nics
     if nics < 1:
         raise ValueError(f"network ports per node must be >= 1, got {nics}")
-    if algorithm == "hierarchical" or p <= per_node:
-        if algorithm == "reduce_broadcast":
-            return messages * reduce_broadcast_s(p, chunk, intra)
-        if algorithm == "ring":
-            return messages * ring_allreduce_s(p, chunk, intra)
+    if algorithm == "hierarchical":
         if inter is not None:
-            g = min(p, per_node)
-            inter = Link(inter.alpha, inter.beta * g / nics, inter.gamma)
+            inter = Link(inter.alpha, inter.beta * min(p, per_node) / nics, inter.gamma)
         return messages * hierarchical_s(p, chunk, per_node, intra, inter or intra)
+    if p <= per_node:
+        one_node = ring_allreduce_s if algorithm == "ring" else reduce_broadcast_s
+        return messages * one_node(p, chunk, intra)
     if algorithm == "ring":
         across = Link(inter.alpha, max(intra.beta, inter.beta / nics), max(intra.gamma, inter.gamma))
         return messages * ring_allreduce_s(p, chunk, across)
-    # reduce_broadcast across nodes: the root's per_node - 1 neighbours on the fast link, the rest remote
+    # the root's per_node - 1 neighbours on the fast link, the rest remote
     local, remote = per_node - 1, p - per_node
     root = (2 * local * (intra.alpha + chunk * intra.beta) + 2 * remote * (inter.alpha + chunk * inter.beta)
             + (p - 1) * chunk * max(intra.gamma, inter.gamma))
@@ -222,17 +173,12 @@ def allreduce_s(algorithm: str, p: int, n: float, per_node: int, intra: Link, in
 
 @dataclass(frozen=True)
 class Compute:
-    """Compute time of one replica's forward + backward + optimizer step: overhead + images · seconds_per_image.
+    """Compute time of one replica's forward + backward + optimizer step: overhead + images · seconds_per_image."""
 
-    Args:
-        overhead_s: Fixed seconds per step and replica (kernel launches, Python, the training loop), paid
-            however few images the replica gets: why a small network such as LeNet gains little from more
-            devices at a fixed global batch.
-        seconds_per_image: Seconds per image of the replica's share of the batch.
-    """
-
+    #: Fixed seconds per step and replica (kernel launches, Python, the training loop), paid however few images
+    #: the replica gets: why a small network such as LeNet gains little from more devices at a fixed global batch.
     overhead_s: float
-    seconds_per_image: float
+    seconds_per_image: float  #: Seconds per image of the replica's share of the batch.
 
     def step_s(self, images: float) -> float:
         """Seconds for `images` images on one replica."""
@@ -241,30 +187,17 @@ class Compute:
 
 @dataclass(frozen=True)
 class Job:
-    """One data-parallel job whose step `predict_step` predicts: exchange, devices, batch, each replica's work.
+    """One data-parallel job whose step `predict_step` predicts; links, overlap, jitter and sync overhead are
+    `predict_step`'s own arguments, so that a range (`src.scaling.cost_fit.predict_band`) varies them on one job."""
 
-    The links, the overlap, the jitter and the sync overhead are not part of it: a range's three predictions
-    (`src.scaling.cost_fit.predict_band`) take one job with different values of those.
-
-    Args:
-        algorithm: "ring", "reduce_broadcast" or "hierarchical".
-        devices: Devices (replicas), >= 1.
-        batch_size: Per-device or global batch, images, per `batch_mode`.
-        batch_mode: "per_device" (weak scaling) or "global" (strong scaling).
-        compute: Per-replica compute model.
-        n_bytes: Gradient bytes per replica (parameters · 4 for float32 gradients).
-        per_node: Devices per node.
-        messages: Allreduce calls per step, each of n_bytes / messages bytes (see `allreduce_s`).
-    """
-
-    algorithm: str
-    devices: int
-    batch_size: int
-    batch_mode: str
-    compute: Compute
-    n_bytes: float
-    per_node: int
-    messages: int = 1
+    algorithm: str  #: "ring", "reduce_broadcast" or "hierarchical".
+    devices: int  #: Devices (replicas), >= 1.
+    batch_size: int  #: Per-device or global batch, images, per `batch_mode`.
+    batch_mode: str  #: "per_device" (weak scaling) or "global" (strong scaling).
+    compute: Compute  #: Per-replica compute model.
+    n_bytes: float  #: Gradient bytes per replica (parameters · 4 for float32 gradients).
+    per_node: int  #: Devices per node.
+    messages: int = 1  #: Allreduce calls per step, each of n_bytes / messages bytes (see `allreduce_s`).
 
 
 @dataclass(frozen=True)
@@ -286,16 +219,13 @@ class StepPrediction:
 
 
 def global_batch_for(batch_size: int, devices: int, batch_mode: str) -> int:
-    """The global batch at `devices` devices.
+    """The global batch at `devices` devices, images per optimizer step.
 
     Args:
-        batch_size: Per-device batch ("per_device", weak scaling: the global batch grows with the devices, as
-            d2l.ai doubles it from 256 to 512 for two GPUs) or global batch ("global", strong scaling).
+        batch_size: Per-device batch ("per_device", weak scaling: d2l.ai's 256 becomes 512 on two GPUs) or
+            global batch ("global", strong scaling).
         devices: Devices, >= 1.
         batch_mode: "per_device" or "global".
-
-    Returns:
-        Images per optimizer step.
 
     Raises:
         ValueError: Unknown mode, or a global batch smaller than the devices (some replica would get nothing).
@@ -312,17 +242,14 @@ def global_batch_for(batch_size: int, devices: int, batch_mode: str) -> int:
 
 @cache
 def expected_max_normal(p: int) -> float:
-    """E[max of p independent standard normal variables]: 0 for p = 1, 0.564 for 2, 1.424 for 8, 1.766 for 16.
+    """E[max of p independent standard normal variables] (dimensionless): 0 for p = 1, 0.564 for 2, 1.424 for 8.
 
-    A synchronous step waits for the slowest of p ranks: if each rank's step time varies with standard
-    deviation sigma around its mean, the step costs about sigma times this more than one rank's mean.
-    Computed by Simpson's rule on p·x·phi(x)·Phi(x)^(p-1) over [-9, 9].
+    A synchronous step waits for the slowest of p ranks: if each rank's step time varies with standard deviation
+    sigma around its mean, the step costs about sigma times this more than one rank's mean. Simpson's rule on
+    p·x·phi(x)·Phi(x)^(p-1) over [-9, 9].
 
     Args:
         p: Ranks, >= 1.
-
-    Returns:
-        The expectation (dimensionless).
 
     Raises:
         ValueError: p < 1.
@@ -348,25 +275,20 @@ def predict_step(job: Job, links: Links, overlap: float = 0.0, jitter: float = 0
     """Predict one optimizer step: compute · (1 + sync + straggler) + exchange - min(overlap · exchange, backward).
 
     Args:
-        job: The algorithm, devices, batch, per-replica compute, gradient bytes, devices per node and allreduce
-            calls per step.
-        links: Link inside a node, one network port between nodes (None: one node only) and ports per node
-            (None: one per device); see `allreduce_s`.
-        overlap: Share (0..1) of the exchange that can run during backward (buckets sent as soon as backward
-            has produced them); the hidden time is also capped at the backward time, 2/3 of the compute.
+        job: The job.
+        links: The links (see `allreduce_s`).
+        overlap: Share (0..1) of the exchange run during backward, capped at the backward time (2/3 of compute).
         jitter: Standard deviation of one rank's step time as a share of its mean (0.01 = 1%); with more than
             one device the step waits for the slowest rank, `expected_max_normal(devices)` · jitter · compute.
         sync_overhead: Share of the compute added to every step once devices > 1: the data-parallel wrapper's
-            own work (gradient hooks, bucket copies) and the devices' processes sharing one host's cores,
-            memory and input pipeline.
+            own work (gradient hooks, bucket copies) and the processes sharing one host's cores and memory.
 
     Returns:
-        The prediction, in seconds and images/s; speedup is throughput over one device's at the same per-device
-        (weak) or global (strong) batch, efficiency = speedup / devices.
+        The prediction; speedup is throughput over one device's at the same per-device (weak) or global
+        (strong) batch, efficiency = speedup / devices.
 
     Raises:
-        ValueError: Bad device count, overlap outside [0, 1], a negative jitter or overhead, batch mode or
-            algorithm.
+        ValueError: Bad device count, overlap outside [0, 1], a negative jitter or overhead, batch mode or algorithm.
     """
     devices, compute = job.devices, job.compute
     if devices < 1:
@@ -385,7 +307,7 @@ def predict_step(job: Job, links: Links, overlap: float = 0.0, jitter: float = 0
     hidden_s = min(overlap * exchange_s, BACKWARD_SHARE * per_replica * compute.seconds_per_image)
     step_s = compute_s + exchange_s - hidden_s
     single_batch = global_batch_for(job.batch_size, 1, job.batch_mode)
-    single_ips = single_batch / compute.step_s(single_batch)
     ips = batch / step_s
+    speedup = ips / (single_batch / compute.step_s(single_batch))
     return StepPrediction(job.algorithm, devices, math.ceil(devices / job.per_node), batch, per_replica, compute_s,
-                          exchange_s, hidden_s, step_s, ips, ips / single_ips, ips / single_ips / devices)
+                          exchange_s, hidden_s, step_s, ips, speedup, speedup / devices)

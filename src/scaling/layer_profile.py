@@ -1,26 +1,10 @@
-"""The network, built from the experiment's model on the CPU: what the scaling predictor counts from it (`Network`:
-gradient bytes, FLOPs per image, buckets), its profile block by block for the three ways of splitting training
-(`profile_network`, a `src.scaling.net_profile.NetProfile`) and its blocks timed (`timed_block_costs`). torch and the
-model's module are imported only when one of them is called; each builds the model with `built_module`.
-
-Profile. A network profiled block by block for the three ways of splitting training (`src.scaling.net_profile`): one
-training forward on the CPU, at 1 and at 2 samples, with hooks that count each block's multiply-adds, its output
-and every tensor autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`).
-
-The blocks are the pipeline's (`src.strategies.pipeline_stages.named_blocks`); the layers tensor parallelism
-splits are those of `src.strategies.tensor_plans` (`SPLIT_LAYERS` names them by their place in the network, as the
-plans do; `tests/test_forecast_three_ways.py` checks the two agree, share for share, under a fake process group).
-The model files are not changed and nothing is trained: the model is built, run on two random batches (or timed),
-dropped.
-
-Timed blocks: what `--block_costs timed` splits a pipeline's compute by, in place of the blocks' multiply-adds.
-Multiply-adds leave out what small networks spend most of their CPU time on outside their convs: activations,
-pooling and BatchNorm over large feature maps, and a conv of one input channel that runs far below the CPU's peak.
-LeNet's first conv holds 5% of its multiply-adds but, with its activation and pooling, over a third of its step on
-a 2-core x86-64 CPU. Timing each block within a training step (forward, the loss, backward; one thread, as each
-process of a 2-process job on 2 cores has) gives each block its share of the step instead: its forward between
-its call and return, its backward from the moment its output's gradient arrives to the moment its input's does
-(stamped by an identity autograd Function at each boundary).
+"""The experiment's network, built on the CPU with `built_module` (torch and the model's module are imported only
+then): what the scaling predictor counts from it (`inspect_network`), its profile block by block for the three ways
+of splitting training (`profile_network`) and its blocks and a tensor-parallel share timed (`timed_block_costs`,
+`timed_tensor_share`). The blocks are the pipeline's (`src.strategies.pipeline_stages.named_blocks`); the layers
+tensor parallelism splits are those of `src.strategies.tensor_plans` (`SPLIT_LAYERS` names them as the plans do;
+`tests/test_forecast_three_ways.py` checks the two agree, share for share, under a fake process group). The model
+files are not changed and nothing is trained: the model is built, run on random batches (or timed), dropped.
 """
 
 import importlib
@@ -67,16 +51,13 @@ class Network:
 
 
 def custom_network(parameters: int, grad_bytes: int = 4, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
-    """A network known only by its parameter count: its gradient, buckets and overlap share from that.
+    """A network known only by its parameter count: buckets of `bucket_bytes` over parameters x grad_bytes bytes,
+    the last one (which backward fills last) assumed to hold an equal share; no FLOPs (its compute must be given).
 
     Args:
         parameters: Trainable parameters.
         grad_bytes: Bytes per allreduced gradient element (4 for float32).
         bucket_bytes: Bucket size in bytes (default 25 MiB).
-
-    Returns:
-        The network: buckets of `bucket_bytes` over parameters x grad_bytes bytes, the last one (which backward
-        fills last) assumed to hold an equal share; no FLOPs (its compute must be given).
     """
     n_bytes = parameters * grad_bytes
     buckets = max(1, -(-n_bytes // bucket_bytes))
@@ -94,16 +75,11 @@ def built_module(class_path: str, init_args: dict | None = None):
 def inspect_network(class_path: str, init_args: dict | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> Network:
     """Build the LightningModule `class_path` and count its gradient bytes, FLOPs per image and buckets.
 
-    The buckets are those of `src.strategies.comm.gradient_exchange.bucket_indices` at `bucket_bytes`, the plan that
-    split_allreduce exchanges and that matches DDP's for a network of one dtype.
-
     Args:
         class_path: e.g. src.models.classifier.ResNet18Classifier.
         init_args: Its keyword arguments (from the config).
-        bucket_bytes: Bucket size in bytes (default 25 MiB, DDP's bucket_cap_mb).
-
-    Returns:
-        The network's numbers.
+        bucket_bytes: Bucket size in bytes (default 25 MiB, DDP's bucket_cap_mb) of the buckets of
+            `src.strategies.comm.gradient_exchange.bucket_indices`: split_allreduce's plan, DDP's for one dtype.
 
     Raises:
         ImportError, AttributeError: `class_path` names no importable class.
@@ -140,7 +116,7 @@ def compressed_bytes(net: Network, compression: str, rank: int = 2, min_compress
     saying where the figure comes from.
 
     "bf16" halves 4-byte gradients; "powersgd" counts (n + m)·r per compressed matrix and every element of the
-    rest (`src.strategies.comm.exchange_names.powersgd_numbers`, the rule ours and torch's hook apply), in two
+    rest (`src.strategies.comm.powersgd_sizes.powersgd_numbers`, the rule ours and torch's hook apply), in two
     allreduce calls per bucket (P with the rest, then Q); `ratio` (sent / uncompressed bytes) replaces the count,
     as it must for a network known only by its parameter count.
 
@@ -179,13 +155,11 @@ _SPLIT_SIZE = {"out": "out_channels", "in": "in_channels", "bn": "num_features",
 
 
 def split_layers(net: object) -> dict[str, str]:
-    """The layers that tensor parallelism splits in `net`, by `SPLIT_LAYERS`.
+    """The layers that tensor parallelism splits in `net`, by `SPLIT_LAYERS`: layer name -> kind (a key of
+    `src.scaling.net_profile.SPLIT_PARAMETERS`); empty for a network without a plan.
 
     Args:
         net: The network (an nn.Module), e.g. a LeNet or a ResNet18.
-
-    Returns:
-        Layer name -> kind (a key of `src.scaling.net_profile.SPLIT_PARAMETERS`); empty for a network without a plan.
     """
     patterns = SPLIT_LAYERS.get(type(net).__name__, [])
     return {name: kind for name, _ in net.named_modules() for pattern, kind in patterns
@@ -291,28 +265,29 @@ def _profile(class_path: str, init_args_json: str) -> NetProfile:
     one, two = _record(module, blocks, layers, 1), _record(module, blocks, layers, 2)
     if len(one.sizes) != len(two.sizes):
         raise RuntimeError(f"{cls_name}'s forward saves different tensors at 1 and 2 samples; cannot profile it")
+    # a saved tensor's bytes at 1 and 2 samples give its fixed and per-sample parts
     saved = tuple(Saved(2 * a - b, b - a, split) for (a, split), (b, _) in zip(one.sizes, two.sizes))
-    params = {name: p for name, p in net.named_parameters() if p.requires_grad}
-    block_params = []
-    for block_name, block in blocks:
+    trainable = {name for name, p in net.named_parameters() if p.requires_grad}
+    profiled = []
+    for i, (block_name, block) in enumerate(blocks):
         own = []
-        for sub_name, p in block.named_parameters():
-            full = f"{block_name}.{sub_name}"
+        for full, p in ((f"{block_name}.{sub}", p) for sub, p in block.named_parameters()):
             layer, _, tensor = full.rpartition(".")
-            if full in params:
+            if full in trainable:
                 own.append(Param(full, tuple(p.shape), SPLIT_PARAMETERS.get(layers.get(layer), {}).get(tensor)))
-        block_params.append(tuple(own))
+        profiled.append(Block(block_name, tuple(own), one.macs[i], one.split_macs[i], frozenset(one.saved[i]),
+                              one.outputs[i]))
     modules = dict(net.named_modules())
     divisors = {name: getattr(modules[name], _SPLIT_SIZE[kind]) for name, kind in layers.items()}
-    profiled = tuple(Block(name, block_params[i], one.macs[i], one.split_macs[i], frozenset(one.saved[i]),
-                           one.outputs[i]) for i, (name, _) in enumerate(blocks))
-    element = next(net.parameters()).element_size()
-    return NetProfile(cls_name, type(net).__name__, profiled, saved, frozenset(one.loss), one.outputs[-1], layers,
-                      tuple(Exchange(*e) for e in one.exchanges), divisors, element)
+    return NetProfile(cls_name, type(net).__name__, tuple(profiled), saved, frozenset(one.loss), one.outputs[-1],
+                      layers, tuple(Exchange(*e) for e in one.exchanges), divisors,
+                      next(net.parameters()).element_size())
 
 
 def profile_network(class_path: str, init_args: dict | None = None) -> NetProfile:
-    """Build the LightningModule `class_path` and profile its network block by block (cached per arguments).
+    """Build the LightningModule `class_path` and profile its network block by block (cached per arguments): one
+    training forward on the CPU at 1 and at 2 samples, with hooks that count each block's multiply-adds, its output
+    and every tensor autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`).
 
     Args:
         class_path: e.g. src.models.classifier.ResNet18Classifier.
@@ -330,32 +305,26 @@ def profile_network(class_path: str, init_args: dict | None = None) -> NetProfil
     return _profile(class_path, json.dumps(init_args or {}, sort_keys=True))
 
 
-class _Stamp:
-    """Built on first use (torch imported only then): an autograd Function that copies its input forward and, in
-    backward, notes the process's CPU seconds when the gradient of that boundary arrived, i.e. when the block after
-    it finished its backward. The copy keeps an in-place activation (ResNet-18's ReLU) from writing the stamped
-    tensor, as the pipeline's own boundaries copy (`src.strategies.pipeline_stages`)."""
+@cache
+def _stamp():
+    """An autograd Function that copies its input forward and, in backward, notes the process's CPU seconds when
+    the gradient of that boundary arrived, i.e. when the block after it finished its backward. The copy keeps an
+    in-place activation (ResNet-18's ReLU) from writing the stamped tensor, as the pipeline's own boundaries copy
+    (`src.strategies.pipeline_stages`)."""
+    import torch
 
-    function = None
+    class Stamp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, marks):
+            ctx.marks = marks
+            return t.clone()
 
-    @classmethod
-    def apply(cls, x, times: list[float]):
-        if cls.function is None:
-            import torch
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.marks.append(time.process_time())
+            return grad, None
 
-            class Stamp(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, t, marks):
-                    ctx.marks = marks
-                    return t.clone()
-
-                @staticmethod
-                def backward(ctx, grad):
-                    ctx.marks.append(time.process_time())
-                    return grad, None
-
-            cls.function = Stamp
-        return cls.function.apply(x, times)
+    return Stamp
 
 
 @cache
@@ -377,21 +346,17 @@ def _timed(class_path: str, init_args_json: str, samples: int, threads: int, rep
             x = x0
             for index, block in enumerate(blocks):
                 if index:  # the data needs no gradient: block 0's backward ends with the whole backward
-                    x = _Stamp.apply(x, marks[index])
+                    x = _stamp().apply(x, marks[index])
                 tic = time.process_time()
                 x = block(x)
                 forward.append(time.process_time() - tic)
             last: list[float] = []
-            loss = module.loss_fn(_Stamp.apply(x, last), target)
-            loss.backward()
-            done = time.process_time()
+            module.loss_fn(_stamp().apply(x, last), target).backward()
             # block i's backward: from its output's gradient (the stamp after it) to its input's (the stamp before)
-            ends = [done, *(m[0] for m in marks[1:])]
+            ends = [time.process_time(), *(m[0] for m in marks[1:])]
             starts = [*(m[0] for m in marks[1:]), last[0]]
             runs.append([f + (e - s) for f, e, s in zip(forward, ends, starts)])
-        # the process's CPU seconds, not the wall's: another process taking the core (a busy machine, a test
-        # suite's workers) then adds no time, only its pressure on the caches, and the fastest of the repeats
-        # leaves the least of that (as timeit advises)
+        # the fastest of the repeats leaves the least of another process's pressure on the caches (as timeit advises)
         seconds = [min(run[i] for run in runs[1:]) / samples for i in range(len(blocks))]
     finally:
         torch.set_num_threads(before)
@@ -400,18 +365,26 @@ def _timed(class_path: str, init_args_json: str, samples: int, threads: int, rep
 
 def timed_block_costs(class_path: str, init_args: dict | None = None, samples: int = 8, threads: int = 1,
                       repeats: int = 7) -> tuple[float, ...]:
-    """Each block's forward and backward on this machine's CPU, in CPU seconds per sample (cached per arguments): a
-    busy machine's other processes do not count in them.
+    """Each block's forward and backward on this machine's CPU within a training step (cached per arguments): what
+    `--block_costs timed` splits a pipeline's compute by, in place of the blocks' multiply-adds, which leave out
+    what small networks spend most of their CPU time on outside their convs (activations, pooling and BatchNorm over
+    large feature maps, a conv of one input channel far below the CPU's peak): LeNet's first conv holds 5% of its
+    multiply-adds but, with its activation and pooling, over a third of its step on a 2-core x86-64 CPU.
+
+    A block's forward runs from its call to its return, its backward from the moment its output's gradient arrives
+    to the moment its input's does (stamped by an identity autograd Function at each boundary). The times are the
+    process's CPU seconds, not the wall's: another process taking the core (a test suite's workers) adds none.
 
     Args:
         class_path: The LightningModule, e.g. src.models.classifier.LeNetClassifier (its `net` is timed).
         init_args: Its keyword arguments (from the config).
         samples: Samples per timed batch: `x: (samples, 1, 28, 28)` in the network's dtype (float32 by default).
-        threads: torch's intra-op threads while timing (restored after).
-        repeats: Timed training steps after one warm-up; each block's fastest is taken.
+        threads: torch's intra-op threads while timing (restored after); 1, as each process of a 2-process job on
+            2 cores has.
+        repeats: Timed training steps (forward, the loss, backward) after one warm-up; each block's fastest is taken.
 
     Returns:
-        Seconds per sample, one per block of `named_blocks`, in forward order.
+        CPU seconds per sample, one per block of `named_blocks`, in forward order.
 
     Raises:
         ValueError: samples, threads or repeats below 1.
@@ -423,8 +396,7 @@ def timed_block_costs(class_path: str, init_args: dict | None = None, samples: i
 
 
 def _share_step(net, x, target, loss_fn, optimizer) -> float:
-    """The process's CPU seconds in one training step of `net` (forward, loss, backward, optimizer step) on the batch
-    `x`: a busy machine's other processes do not count in it."""
+    """The process's CPU seconds in one training step of `net` (forward, loss, backward, optimizer step) on `x`."""
     tic = time.process_time()
     loss = loss_fn(net(x), target)
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
@@ -451,7 +423,6 @@ def _timed_share(class_path: str, init_args_json: str, samples: int, shares: int
     whole, split = built_module(class_path, init_args), built_module(class_path, init_args)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    # a fake group: its collectives return at once, so the share's own work is timed without the link's
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shares)
     try:
         apply_plan(split.net.train(), init_device_mesh("cpu", (shares,)))
@@ -459,7 +430,7 @@ def _timed_share(class_path: str, init_args_json: str, samples: int, shares: int
         target = torch.randint(0, 10, (samples,))
         optimizers = [torch.optim.SGD(m.net.parameters(), lr=0.01, momentum=0.9) for m in (whole, split)]
         ratios = []
-        for _ in range(repeats + 2):  # the first two warm up; each pair back to back, so a busy spell slows both
+        for _ in range(repeats + 2):
             pair = [_share_step(m.net.train(), x, target, m.loss_fn, o) for m, o in zip((whole, split), optimizers)]
             ratios.append(pair[1] / pair[0])
     finally:
@@ -471,10 +442,10 @@ def _timed_share(class_path: str, init_args_json: str, samples: int, shares: int
 def timed_tensor_share(class_path: str, init_args: dict | None = None, samples: int = 8, shares: int = 2,
                        threads: int = 1, repeats: int = 9) -> float:
     """One process's training step under the tensor-parallel plan over the whole network's, timed on this CPU
-    (cached per arguments): the share's compute with what the split does not divide (the unsplit layers:
-    BatchNorm2 and the shortcut of a residual block, the stem, the head; the activations and pooling after a
-    partial sum), DTensor's dispatch and copies, and the kernels' speed at the shares' narrower shapes. The
-    collectives run on a fake process group of `shares` ranks (they return at once): the link is not timed.
+    (cached per arguments): the share's compute with what the split does not divide (the unsplit layers, the
+    activations and pooling after a partial sum), DTensor's dispatch and copies, and the kernels' speed at the
+    shares' narrower shapes. The collectives run on a fake process group of `shares` ranks (they return at once):
+    the link is not timed.
 
     Args:
         class_path: The LightningModule, e.g. src.models.classifier.LeNetClassifier (its `net` is split by
@@ -488,9 +459,8 @@ def timed_tensor_share(class_path: str, init_args: dict | None = None, samples: 
             warm-up pairs.
 
     Returns:
-        The median over the pairs of the share's step seconds / the whole network's (forward, loss, backward and
-        optimizer step each): a pair's two steps run back to back, so another process taking the core slows both
-        alike and their ratio holds where each one's time does not.
+        The median over the pairs of the share's CPU seconds / the whole network's (forward, loss, backward and
+        optimizer step each): a pair's steps run back to back, so a busy spell slows both and their ratio holds.
 
     Raises:
         ValueError: samples, shares, threads or repeats below 1, or shares the plan cannot split.

@@ -11,9 +11,7 @@ gradients and optimizer state:
     stage 3 (parameters too: FSDP's FULL_SHARD)         (p + g + k)·Ψ/N
 
 The paper's mixed-precision Adam has p = g = 2 and k = K = 12 (float32 master weights, momentum and variance).
-Activations, temporary buffers and allocator fragmentation are not model state and are not counted. `memory_plan`
-takes the optimizer and precision from the options, or from the experiment config (src.scaling.step_precision reads
-its precision).
+Activations, temporary buffers and allocator fragmentation are not model state and are not counted.
 """
 
 from dataclasses import dataclass
@@ -30,17 +28,11 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class BytesPerElement:
-    """Bytes per parameter element that each part of the model state takes.
+    """Bytes per parameter element that each part of the model state takes."""
 
-    Args:
-        params: Bytes of the parameters (p).
-        grads: Bytes of the gradients (g).
-        optimizer: Bytes of the optimizer state (k), master weights included.
-    """
-
-    params: int
-    grads: int
-    optimizer: int
+    params: int  #: Bytes of the parameters (p).
+    grads: int  #: Bytes of the gradients (g).
+    optimizer: int  #: Bytes of the optimizer state (k), master weights included.
 
 
 def bytes_per_element(optimizer: str, precision: str) -> BytesPerElement:
@@ -54,22 +46,16 @@ def bytes_per_element(optimizer: str, precision: str) -> BytesPerElement:
         optimizer: A key of `OPTIMIZER_STATES` (sgd, sgd_momentum, adam, adamw).
         precision: One of `PRECISIONS` (fp32, mixed, fp64).
 
-    Returns:
-        The bytes per element, integers.
-
     Raises:
         ValueError: An unknown optimizer or precision (the valid ones are named).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
     states = OPTIMIZER_STATES[optimizer]
-    if precision == "fp32":
-        return BytesPerElement(4, 4, 4 * states)
-    if precision == "mixed":
-        return BytesPerElement(2, 2, 4 + 4 * states)
-    if precision == "fp64":
-        return BytesPerElement(8, 8, 8 * states)
-    raise ValueError(f"unknown memory precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    sizes = {"fp32": (4, 4, 4 * states), "mixed": (2, 2, 4 + 4 * states), "fp64": (8, 8, 8 * states)}
+    if precision not in sizes:
+        raise ValueError(f"unknown memory precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    return BytesPerElement(*sizes[precision])
 
 
 def _kept_whole(stage: int, sizes: BytesPerElement) -> list[tuple[int, bool]]:
@@ -92,19 +78,14 @@ def state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElemen
 
 
 def model_state_bytes(parameters: int, devices: int, stage: int, sizes: BytesPerElement) -> int:
-    """Bytes of model state on the fullest device: ZeRO (arXiv:1910.02054, section 5, Figure 1).
-
-    A partitioned part holds ceil(Ψ / N) elements per device, the largest partition when N does not divide Ψ
-    (the paper writes Ψ/N); nothing else (activations, buffers, fragmentation) is counted.
+    """Bytes of model state on the fullest device, an integer: the sum of `state_bytes` (ZeRO, arXiv:1910.02054,
+    section 5, Figure 1; the paper writes Ψ/N for the largest partition, ceil(Ψ / N)).
 
     Args:
         parameters: Ψ, the trainable parameters (elements), >= 1.
         devices: N, the data-parallel devices, >= 1.
         stage: ZeRO stage, 0 to 3.
         sizes: Bytes per element (`bytes_per_element`).
-
-    Returns:
-        Bytes per device, an integer.
 
     Raises:
         ValueError: Ψ or N below 1, or an unknown stage.
@@ -118,16 +99,11 @@ def fewest_devices(parameters: int, stage: int, sizes: BytesPerElement, limit_by
     """The fewest devices N whose model state per device (`model_state_bytes`) is at most `limit_bytes`.
 
     The bytes never grow with N and stop falling at N = Ψ (one element per device), so a bisection over 1..Ψ
-    answers exactly, with no cap on N.
+    answers exactly, with no cap on N. None when no device count fits (stage 0 whenever one device does not).
 
     Args:
-        parameters: Ψ, the trainable parameters, >= 1.
-        stage: ZeRO stage, 0 to 3.
-        sizes: Bytes per element.
+        parameters, stage, sizes: As in `model_state_bytes`.
         limit_bytes: Memory per device in bytes (> 0); state of exactly this size fits.
-
-    Returns:
-        N, or None when no device count fits (stage 0 whenever one device does not).
 
     Raises:
         ValueError: Ψ below 1, a limit that is not > 0, or an unknown stage.
@@ -147,17 +123,13 @@ def fewest_devices(parameters: int, stage: int, sizes: BytesPerElement, limit_by
 
 
 def never_fits_reason(parameters: int, stage: int, sizes: BytesPerElement, limit_bytes: float) -> str:
-    """Why no device count brings `stage`'s model state down to `limit_bytes`: the part kept whole on every device.
+    """Why no device count brings `stage`'s model state down to `limit_bytes`: the part kept whole on every device,
+    in a clause such as "it keeps the 23.21 GiB of parameters, gradients and optimizer state whole on every device,
+    over the limit whatever the count" (GiB = 2**30 bytes).
 
     Args:
-        parameters: Ψ, the trainable parameters, >= 1.
-        stage: ZeRO stage, 0 to 3.
-        sizes: Bytes per element.
+        parameters, stage, sizes: As in `model_state_bytes`.
         limit_bytes: Memory per device in bytes.
-
-    Returns:
-        A clause such as "it keeps the 23.21 GiB of parameters, gradients and optimizer state whole on every
-        device, over the limit whatever the count" (GiB = 2**30 bytes).
 
     Raises:
         ValueError: An unknown stage.
@@ -177,23 +149,14 @@ CLASSIFIER_OPTIMIZER, CLASSIFIER_MOMENTUM = "sgd", 0.9
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What the model-state memory is computed for.
+    """What the model-state memory is computed for."""
 
-    Args:
-        parameters: Ψ, the trainable parameters.
-        optimizer: A key of `src.scaling.memory.OPTIMIZER_STATES`.
-        precision: fp32, mixed or fp64.
-        sizes: Bytes per element of parameters, gradients and optimizer state.
-        source: Where the optimizer and the precision come from, in words.
-        memory_gib: The device memory to fit into, GiB (2**30 bytes), or None.
-    """
-
-    parameters: int
-    optimizer: str
-    precision: str
-    sizes: BytesPerElement
-    source: str
-    memory_gib: float | None = None
+    parameters: int  #: Ψ, the trainable parameters.
+    optimizer: str  #: A key of `OPTIMIZER_STATES`.
+    precision: str  #: fp32, mixed or fp64.
+    sizes: BytesPerElement  #: Bytes per element of parameters, gradients and optimizer state.
+    source: str  #: Where the optimizer and the precision come from, in words.
+    memory_gib: float | None = None  #: The device memory to fit into, GiB (2**30 bytes), or None.
 
 
 def config_optimizer(cfg: dict) -> str:
@@ -221,7 +184,7 @@ def memory_plan(parameters: int, optimizer: str | None, precision: str | None, m
     """The plan of `parameters` with the options given, the rest from `cfg` (None: a network known by its count).
 
     Unset, the optimizer is the config's (`config_optimizer`), or Adam without a config; the precision is fp64
-    when the config trains in 64-true, else fp32.
+    when the config trains in 64-true (`src.scaling.step_precision.config_precision`), else fp32.
 
     Raises:
         ValueError: An unknown optimizer or precision, or a config optimizer of unknown state size.

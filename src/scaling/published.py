@@ -1,23 +1,16 @@
 """Published multi-GPU measurements, and the bounds of the predictor's uncertain terms fitted on some of them.
 
-The table, `src/scaling/calibration/published_scaling.csv`, holds one row per published measurement of
-data-parallel training throughput: the network and its parameter count, the system (a hardware preset of
-`src.scaling.hardware`), the precision, the batch per GPU, the GPU count, the one-GPU and the N-GPU images/s,
-and the source (repository, file, commit and the row as it is labelled there). Each row is either a
-"calibration" row or a "held-out" row:
-
-* The sync overhead (`src.scaling.cost_model.predict_step`) is fitted on the calibration rows only: each row
-  implies one value, fitted as a line in the gradient's bytes per second of one GPU's step with one intercept
-  per precision class; the bounds are the line's prediction interval at a row's own rate (`fit_sync`).
-* The held-out rows are never fitted to; `python -m benchmarks.forecast_checks published` reports how the ranges
-  do on both.
+The table, `src/scaling/calibration/published_scaling.csv`, holds one row (`Published`) per published
+measurement of data-parallel training throughput, either a "calibration" or a "held-out" row. The sync overhead
+(`src.scaling.cost_model.predict_step`) is fitted on the calibration rows only (`fit_sync`); the held-out rows
+are never fitted to, and `python -m benchmarks.forecast_checks published` reports how the ranges do on both.
 
 Pure Python (csv and math): importing it loads neither torch nor Lightning.
 """
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 
@@ -28,10 +21,9 @@ from src.scaling.layer_profile import DDP_BUCKET_BYTES
 
 TABLE = Path(__file__).parent / "calibration" / "published_scaling.csv"
 
-# Precision classes with a calibration: full precision (FP32, or TF32 tensor cores) and PyTorch's native
-# automatic mixed precision (torch.autocast with a GradScaler, or Lightning's 16-mixed / bf16-mixed, which use
-# the same autocast). The held-out rows run with NVIDIA's older APEX AMP have no class of their own: they are
-# predicted as "unknown", the union of both classes' bounds.
+# Precision classes with a calibration: full precision (FP32, or TF32 tensor cores) and PyTorch's native automatic
+# mixed precision (torch.autocast with a GradScaler, as in Lightning's 16-mixed / bf16-mixed). The held-out rows run
+# with NVIDIA's older APEX AMP are predicted as "unknown": the union of both classes' bounds.
 PRECISIONS = ("fp32", "amp")
 
 # [assumed] Standard deviation of one rank's step time, as a share of its mean: 0.5% to 2%. The p50 and p95
@@ -46,43 +38,24 @@ LEVEL = 0.90
 
 @dataclass(frozen=True)
 class Published:
-    """One published measurement (a row of the table).
+    """One published measurement (a row of the table)."""
 
-    Args:
-        id: Short name.
-        split: "calibration" or "held-out".
-        network: Network name as published.
-        parameters: Trainable parameters.
-        system: The system as published.
-        hardware: Hardware preset name.
-        precision: "fp32", "amp" or "amp-apex".
-        batch_per_gpu: Images per GPU and step.
-        gpus: GPUs of the multi-GPU measurement.
-        one_gpu_images_per_s: Images/s on one GPU (the efficiency's baseline).
-        images_per_s: Images/s on all GPUs together.
-        efficiency_baseline: What the one-GPU figure is.
-        source: Repository.
-        path: File in it.
-        commit: Commit read.
-        row: The row as labelled in the source.
-    """
-
-    id: str
-    split: str
-    network: str
-    parameters: int
-    system: str
-    hardware: str
-    precision: str
-    batch_per_gpu: int
-    gpus: int
-    one_gpu_images_per_s: float
-    images_per_s: float
-    efficiency_baseline: str
-    source: str
-    path: str
-    commit: str
-    row: str
+    id: str  #: Short name.
+    split: str  #: "calibration" or "held-out".
+    network: str  #: Network name as published.
+    parameters: int  #: Trainable parameters.
+    system: str  #: The system as published.
+    hardware: str  #: Hardware preset name (`src.scaling.hardware`).
+    precision: str  #: "fp32", "amp" or "amp-apex".
+    batch_per_gpu: int  #: Images per GPU and step.
+    gpus: int  #: GPUs of the multi-GPU measurement.
+    one_gpu_images_per_s: float  #: Images/s on one GPU (the efficiency's baseline).
+    images_per_s: float  #: Images/s on all GPUs together.
+    efficiency_baseline: str  #: What the one-GPU figure is.
+    source: str  #: Repository.
+    path: str  #: File in it.
+    commit: str  #: Commit read.
+    row: str  #: The row as labelled in the source.
 
     @property
     def efficiency(self) -> float:
@@ -96,65 +69,41 @@ class Published:
 
 
 def load_table(path: Path = TABLE) -> list[Published]:
-    """The published rows, in file order.
+    """The published rows, in file order, with numbers parsed.
 
     Args:
         path: The CSV table.
-
-    Returns:
-        The rows, with numbers parsed.
     """
-    rows = []
+    numbers = [(field.name, field.type) for field in fields(Published) if field.type in (int, float)]
     with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            rows.append(Published(**{**r, "parameters": int(r["parameters"]), "batch_per_gpu": int(r["batch_per_gpu"]),
-                                     "gpus": int(r["gpus"]), "one_gpu_images_per_s": float(r["one_gpu_images_per_s"]),
-                                     "images_per_s": float(r["images_per_s"])}))
-    return rows
-
-
-def buckets_for(n_bytes: float) -> int:
-    """Allreduce calls per step: DDP's 25 MiB buckets over n bytes of gradient (at least one)."""
-    return max(1, math.ceil(n_bytes / DDP_BUCKET_BYTES))
-
-
-def preset_links(hardware: str) -> tuple[Links, Links]:
-    """(achieved, line-rate) links of a hardware preset whose links are published presets."""
-    preset = HARDWARE[hardware]
-    intra, inter = LINKS[preset.intra], LINKS[preset.inter]
-    return (Links(intra.link(), inter.link(), preset.nics),
-            Links(intra.line_link(), inter.line_link(), preset.nics))
+        return [Published(**{**r, **{k: parse(r[k]) for k, parse in numbers}}) for r in csv.DictReader(f)]
 
 
 def predict_published(row: Published, bounds: Bounds) -> BandPrediction:
-    """Predict the range of a published row from its measured one-GPU rate, with its preset's links: a ring
-    allreduce of float32 gradients, the preset's GPUs per node.
+    """Predict the point, pessimistic and optimistic step of a published row from its measured one-GPU rate, with
+    its preset's links (achieved and line rate) and GPUs per node: a ring allreduce of float32 gradients.
 
     Compute per device is the measured step, batch / images_per_s, with no fixed part (weak scaling keeps the
-    per-device batch, so only the measured step matters); the gradient goes in 25 MiB buckets, of which all
-    but one can overlap backward for the point prediction (equal buckets assumed).
+    per-device batch); of DDP's 25 MiB buckets, all but one overlap backward for the point (equal buckets assumed).
 
     Args:
         row: The published measurement.
         bounds: Jitter and sync-overhead bounds.
-
-    Returns:
-        Point, pessimistic and optimistic predictions.
     """
-    achieved, line = preset_links(row.hardware)
+    preset = HARDWARE[row.hardware]
+    intra, inter = LINKS[preset.intra], LINKS[preset.inter]
     n_bytes = row.parameters * 4
-    messages = buckets_for(n_bytes)
+    messages = max(1, math.ceil(n_bytes / DDP_BUCKET_BYTES))
     job = Job("ring", row.gpus, row.batch_per_gpu, "per_device", Compute(0.0, 1.0 / row.one_gpu_images_per_s),
-              n_bytes, HARDWARE[row.hardware].per_node, messages)
-    return predict_band(job, achieved, line, 1.0 - 1.0 / messages, bounds)
+              n_bytes, preset.per_node, messages)
+    return predict_band(job, Links(intra.link(), inter.link(), preset.nics),
+                        Links(intra.line_link(), inter.line_link(), preset.nics), 1.0 - 1.0 / messages, bounds)
 
 
 def _implied_overhead(row: Published) -> float:
-    """The sync overhead at which the point prediction equals the row's published efficiency.
-
-    Bisection on [0, 1] (the efficiency falls as the overhead grows), with the jitter halfway between its
-    bounds and the point prediction's overlap; 0 when even no overhead predicts less than published.
-    """
+    """The sync overhead at which the point prediction equals the row's published efficiency: a bisection on
+    [0, 1] (the efficiency falls as the overhead grows), the jitter halfway between its bounds; 0 when even no
+    overhead predicts less than published."""
     lo, hi = 0.0, 1.0
     for _ in range(50):
         mid = (lo + hi) / 2
@@ -169,6 +118,9 @@ def student_t_quantile(q: float, dof: int) -> float:
     """The q-quantile (0.5 < q < 1) of Student's t distribution with `dof` degrees of freedom.
 
     Bisection on the distribution function, whose density is integrated by Simpson's rule from 0.
+
+    Raises:
+        ValueError: q outside (0.5, 1) or dof < 1.
     """
     if not 0.5 < q < 1 or dof < 1:
         raise ValueError(f"need 0.5 < q < 1 and dof >= 1, got {q} and {dof}")
@@ -192,30 +144,22 @@ def student_t_quantile(q: float, dof: int) -> float:
 
 @dataclass(frozen=True)
 class SyncFit:
-    """The sync overhead fitted on the calibration rows: overhead = intercept[kind] + slope · rate.
+    """The sync overhead fitted on the calibration rows (`fit_sync`): overhead = intercept[kind] + slope · rate.
 
-    `rate` is the gradient's bytes per second of one device's step (`gradient_rate`): the more gradient a step
-    of a given length has to hook, copy into buckets and hand over, the larger the share of the step that this
-    costs. The precision kinds keep an intercept each (mixed-precision steps also wait on the host, whose work
-    does not shrink with the GPU's); the slope is shared.
-
-    Args:
-        implied: (kind, rate GB/s, implied overhead) of each calibration row, in table order.
-        intercepts: (kind, intercept) per kind, in `PRECISIONS` order.
-        slope: Overhead (share of the compute) per GB/s of gradient rate.
-        centres: (kind, rows, mean rate GB/s) per kind: where each kind's line is best known.
-        sxx: Sum of squares of the rates around their kind's mean rate.
-        spread: Residual standard deviation (rows - kinds - 1 degrees of freedom).
-        t: Student's t quantile of the two-sided `LEVEL` prediction interval.
+    `rate` is the gradient's GB/s of one device's step (`gradient_rate`): the more gradient a step of a given
+    length has to hook, copy into buckets and hand over, the larger the share of the step that this costs. Each
+    precision kind keeps its intercept (mixed-precision steps also wait on the host, whose work does not shrink
+    with the GPU's); the slope is shared.
     """
 
-    implied: tuple[tuple[str, float, float], ...]
-    intercepts: tuple[tuple[str, float], ...]
-    slope: float
+    implied: tuple[tuple[str, float, float], ...]  #: (kind, rate GB/s, implied overhead) per calibration row.
+    intercepts: tuple[tuple[str, float], ...]  #: (kind, intercept) per kind, in `PRECISIONS` order.
+    slope: float  #: Overhead (share of the compute) per GB/s of gradient rate.
+    #: (kind, rows, mean rate GB/s) per kind: where each kind's line is best known.
     centres: tuple[tuple[str, int, float], ...]
-    sxx: float
-    spread: float
-    t: float
+    sxx: float  #: Sum of squares of the rates around their kind's mean rate.
+    spread: float  #: Residual standard deviation (rows - kinds - 1 degrees of freedom).
+    t: float  #: Student's t quantile of the two-sided `LEVEL` prediction interval.
 
     def interval(self, kind: str, rate: float) -> tuple[float, float, float]:
         """(expected, lower, upper) overhead of a new row of `kind` at `rate` GB/s; the lower bound at least 0.
@@ -256,16 +200,13 @@ def row_rate(row: Published) -> float:
 def fit_sync(path: Path = TABLE) -> SyncFit:
     """The sync-overhead line, fitted on the calibration rows of the table only.
 
-    Each calibration row implies one overhead (`_implied_overhead`) at its gradient rate (`row_rate`). The
-    line has one intercept per precision kind and one shared slope (least squares: the slope from the rates
-    and overheads around each kind's means, each intercept through its kind's means); the residual spread
-    has n - k - 1 degrees of freedom for n rows in k kinds.
+    Each calibration row implies one overhead (`_implied_overhead`) at its `row_rate`. Least squares with one
+    intercept per precision kind and a shared slope: the slope from the rates and overheads around each kind's
+    means, each intercept through its kind's means; the residual spread has n - k - 1 degrees of freedom for n
+    rows in k kinds.
 
     Args:
         path: The table.
-
-    Returns:
-        The fit.
 
     Raises:
         ValueError: A kind has no calibration row, there are too few rows for a spread, or the rates do not
@@ -298,9 +239,6 @@ def bounds_for(precision: str | None, rate: float) -> Bounds:
     Args:
         precision: "fp32", "amp" or None.
         rate: Gradient GB/s of one device's step (`gradient_rate`).
-
-    Returns:
-        The bounds.
 
     Raises:
         ValueError: Unknown precision.

@@ -1,50 +1,13 @@
-"""Memory per process, bytes sent and step time of one training step split three ways: by data (with a ZeRO stage),
-by layers (pipeline parallelism) and within layers (tensor parallelism), and the two model splits side by side
-(pipelines x stages, replicas x shares), from a `src.scaling.net_profile.NetProfile`. Pure Python: only
-`best_starts`, on a network of more cuts than it tries, imports torch (for `balanced_starts`).
+"""Memory per process, bytes sent and step time of one training step split by data with a ZeRO stage (`_data`), by
+layers (`_pipeline`), within layers (`_tensor`), or all three (D pipelines x S processes x T per stage), from a
+`src.scaling.net_profile.NetProfile`; `predict_ways` / `forecast_ways` predict every layout of `Ways` (`--ways`) on
+each device count. Pure Python: only `best_starts` on a network of many cuts imports torch. Units: seconds, bytes.
 
-Per process, in bytes: parameters, gradients and optimizer state (p, g, k bytes per element, `src.scaling.memory`),
-the activations saved for backward at their peak, the pipeline's receive buffers, and what it sends per step.
-
-* Data parallelism: ZeRO's model state (Rajbhandari et al., SC 2020, arXiv:1910.02054, section 5) and the whole
-  network's activations at B / D samples; the step of `src.scaling.cost_model.predict_step` with a ring allreduce,
-  which sends 2(D-1)/D·n bytes per process (stage 3 also all-gathers the parameters: 1.5 times that, ZeRO section 7).
-* Pipeline (GPipe: Huang et al., NeurIPS 2019, arXiv:1811.06965; 1F1B: Narayanan et al., "PipeDream", SOSP 2019;
-  interleaved: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-  Megatron-LM", SC 2021, arXiv:2104.04473): p processes, m micro-batches of b / m samples, v stages per process.
-  Bubble (p-1)/(v·m + p-1). A stage holds a micro-batch's saved activations (and the output it sent, kept for its
-  backward) from its forward to its backward: under GPipe all m at once, under 1F1B at most min(m, S - s) on stage s
-  of S (torch's warm-up), interleaved the warm-up of torch's `_get_warmup_ops` plus one. Each stage boundary sends
-  the activation forward and its gradient back, per micro-batch. Step = overhead + the schedule's window + the
-  logits' broadcast; the window is sum of the stages' times + (m-1) x the slowest stage's (1 stage per process) or
-  (m + (p-1)/v) x the slowest process's (interleaved), each stage's time being its compute (its share of the
-  network's multiply-adds, or of its timed block costs) plus its transfers, which gloo's blocking sends put on the
-  critical path.
-* Tensor parallelism (Megatron-LM: Shoeybi et al., arXiv:1909.08053, 2019, section 3): P shares of every split
-  layer; every process holds the split layers' shares and the other layers whole, and the split activations' shares
-  and the others whole. One allreduce per split pair forward (the partial sums) and one backward (the gradient of
-  the pair's whole input, when it needs one), each of n bytes sending 2(P-1)/P·n per process in a ring (Patarasuk &
-  Yuan 2009): n for P = 2. Step = overhead + compute x work + the allreduces, the work being the unsplit share +
-  the split share / P of the multiply-adds, or a share's step timed under the plan over the whole network's
-  (`Setting.tensor_work`: what the multiply-adds leave out, the unsplit layers' elementwise work, DTensor's
-  dispatch and copies, narrower kernels' speed).
-* Copies side by side (pipelines or replicas, c of them): each takes B / c samples, and after backward the
-  processes holding the same part average their gradients: one ring allreduce over c of the local gradient bytes.
-* All three (D pipelines x S processes along each x T processes per stage, `Layout.tensor`): each stage's T
-  processes split its layers by the tensor plan, no cut inside a pair of it (`cuts_inside_pairs`). A stage's
-  compute is its blocks' scaled as tensor parallelism scales a network's (its own unsplit share of the
-  multiply-adds + the split share / T, `Setting.tensor_work`'s correction where timed), plus its own allreduces
-  (the plan's exchanges in its blocks, at the micro-batch) on its critical path; each process holds its stages'
-  parameter shares and saved-tensor shares, and the activations crossing a cut whole (share j of a stage sends to
-  share j of the next).
-
-`Ways` (the options of `--ways`) and `predict_ways` / `forecast_ways` predict every layout on each device count
-and the fastest that fits a memory budget; src.scaling.forecast_files writes them.
-
-Every multi-process compute is multiplied by (1 + sync + jitter x E[max of D normals]) as in `predict_step`. Where
-one node's processes outnumber its cores (`Setting.cores`, e.g. 4 processes of one thread on a 2-core CPU), the
-step is no shorter than their busy seconds spread over the cores plus what follows the compute (`_on_shared_cores`).
-Units: seconds, bytes, samples.
+Sources: ZeRO (Rajbhandari et al., SC 2020, arXiv:1910.02054, sections 5 and 7); GPipe (Huang et al., NeurIPS 2019,
+arXiv:1811.06965); 1F1B (Narayanan et al., "PipeDream", SOSP 2019); interleaved stages (Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, arXiv:2104.04473); tensor
+parallelism (Megatron-LM: Shoeybi et al., arXiv:1909.08053, 2019, section 3); the ring allreduce (Patarasuk & Yuan
+2009), which sends 2(P-1)/P·n bytes per process for n bytes over P processes.
 """
 
 import math
@@ -64,6 +27,8 @@ from src.scaling.pipeline_schedules import SCHEDULES, STAGES_PER_PROCESS, bubble
 WAYS = ("data", "pipeline", "tensor_parallel")
 _WAY_NAMES = {"data": "data", "pipeline": "pipeline", "tensor": "tensor_parallel"}  # --ways' names
 _SEARCHED_CUTS = 20_000  # an auto cut tries every cut up to this many, else balances the block costs
+#: the plan's kinds whose output is each process's share of the channels or units (`tensor_plans.SHARES_OUT`)
+_SHARES_OUT = ("out", "bn", "colwise")
 
 
 @dataclass(frozen=True)
@@ -80,14 +45,13 @@ class Setting:
         overlap: Share of data parallelism's exchange hidden behind backward.
         messages: Data parallelism's allreduce calls per step (gradient buckets).
         activation_bytes: Bytes per activation element (4 for float32, 8 for 64-true).
-        block_costs: Each block's cost, whose shares split a pipeline's compute between its stages, e.g. its
-            measured seconds per sample (`src.scaling.layer_profile.timed_block_costs`); None: the blocks'
-            multiply-adds.
+        block_costs: Each block's cost, whose shares split a pipeline's compute between its stages, e.g. seconds
+            per sample (`src.scaling.layer_profile.timed_block_costs`); None: the multiply-adds.
         tensor_work: (shares, the share's step / the whole network's) pairs, e.g. timed under the plan
-            (`src.scaling.layer_profile.timed_tensor_share`), for tensor parallelism's compute at that many shares;
-            a share count not given takes the multiply-adds' (unsplit share + split share / shares).
-        cores: Cores that one node's `per_node` processes share, one process computing on at most one (e.g. 4
-            processes of one thread on a 2-core CPU); None: a device or core to each process.
+            (`src.scaling.layer_profile.timed_tensor_share`, which sees DTensor's dispatch and the unsplit layers'
+            elementwise work); a share count not given takes (unsplit share + split share / shares) of the macs.
+        cores: Cores that one node's processes share, one process computing on at most one (`_on_shared_cores`);
+            None: a device or core to each process.
     """
 
     compute: Compute
@@ -228,7 +192,7 @@ class LayoutFigures:
         exchange_s: The rest of the step: communication on the critical path and, in a pipeline, the time the
             slowest process waits (its share of the bubble), seconds.
         step_s: The step, seconds.
-        bubble: Pipeline: (p-1)/(v·m + p-1); else None.
+        bubble: Pipeline: `bubble_fraction`; else None.
         stages: Pipeline: each stage's blocks in words.
     """
 
@@ -265,30 +229,24 @@ def predict_layout(profile: NetProfile, layout: Layout, batch: int, setting: Set
         The figures of every process and the step.
 
     Raises:
-        ValueError: Copies that do not divide the processes or the batch, micro-batches that do not divide a
-            pipeline's batch, more stages than blocks, a cut of the wrong length, shares that do not divide a split
-            layer, a pipeline's cut inside a pair of the tensor plan with `tensor` above 1, an unknown way or
-            schedule.
+        ValueError: Copies that do not divide the processes or the batch, an unknown way, a pipeline that
+            `check_pipeline` refuses, or shares that do not divide a split layer (`check_shares`).
     """
     if layout.processes < 1 or layout.copies < 1 or layout.processes % layout.copies:
         raise ValueError(f"{layout.copies} copies do not divide {layout.processes} processes")
     if batch % layout.copies:
         raise ValueError(f"a batch of {batch} does not split into {layout.copies} equal parts")
-    if layout.way == "data":
-        return _data(profile, layout, batch, setting)
-    if layout.way == "pipeline":
-        return _pipeline(profile, layout, batch, setting)
-    if layout.way == "tensor_parallel":
-        return _tensor(profile, layout, batch, setting)
-    raise ValueError(f"unknown way {layout.way!r}; choose one of {', '.join(WAYS)}")
+    predict = {"data": _data, "pipeline": _pipeline, "tensor_parallel": _tensor}.get(layout.way)
+    if predict is None:
+        raise ValueError(f"unknown way {layout.way!r}; choose one of {', '.join(WAYS)}")
+    return predict(profile, layout, batch, setting)
 
 
 def _on_shared_cores(step: float, ranks: Sequence[RankFigures], after: float, setting: Setting) -> float:
     """The step when a node's processes outnumber its cores (`Setting.cores`): no shorter than the busy seconds of
-    the first node's processes (`RankFigures.busy_s`, in rank order) spread over its cores, plus `after`, the
-    seconds after the compute that no other process's work fills (data and tensor parallelism: the exchange, whose
-    processes wait on one another; a pipeline: the logits' broadcast and the copies' allreduce, its bubble being
-    time that the other stages' work fills). `step` itself with a core to each process."""
+    the first node's processes spread over its cores, plus `after`, the seconds after the compute that no other
+    process's work fills (data and tensor parallelism: the exchange; a pipeline: the logits' broadcast and the
+    copies' allreduce, its bubble being filled by the other stages' work). `step` itself with a core to each."""
     on_node = [r.busy_s for r in ranks[:setting.per_node]]
     if setting.cores is None or len(on_node) <= setting.cores:
         return step
@@ -296,6 +254,9 @@ def _on_shared_cores(step: float, ranks: Sequence[RankFigures], after: float, se
 
 
 def _data(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> LayoutFigures:
+    """Data parallelism over D processes: ZeRO's model state (`state_bytes`, ZeRO section 5), the whole network's
+    activations at B / D samples, and `predict_step`'s step with a ring allreduce of the gradients (stage 3 also
+    all-gathers the parameters: 1.5 times the bytes, ZeRO section 7)."""
     d, stage, psi, s = layout.processes, layout.zero_stage, profile.parameters, setting.sizes
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"unknown ZeRO stage {stage}; choose 0 to 3")
@@ -315,7 +276,8 @@ def _scale(profile: NetProfile, setting: Setting) -> float:
 
 
 def _copies_allreduce(layout: Layout, grad_bytes: float, setting: Setting) -> tuple[float, float]:
-    """(seconds, bytes sent per process) of averaging `grad_bytes` over the copies (with the sample count)."""
+    """(seconds, bytes sent per process) of averaging `grad_bytes` over the c copies side by side, each of B / c
+    samples, after backward: one ring allreduce, with the sample count, among the processes holding the same part."""
     c = layout.copies
     if c == 1:
         return 0.0, 0.0
@@ -368,10 +330,6 @@ def check_pipeline(profile: NetProfile, layout: Layout, batch: int) -> int:
     return stages
 
 
-#: the plan's kinds whose output is each process's share of the channels or units (`tensor_plans.SHARES_OUT`)
-_SHARES_OUT = ("out", "bn", "colwise")
-
-
 def _block_of(profile: NetProfile, layer: str) -> int:
     """The index of the block that holds the layer named `layer`."""
     return next(i for i, b in enumerate(profile.blocks) if layer == b.name or layer.startswith(b.name + "."))
@@ -416,8 +374,9 @@ def check_pairs_kept(profile: NetProfile, starts: tuple[int, ...]) -> None:
 
 def _stage_times(profile: NetProfile, layout: Layout, starts: tuple[int, ...], batch: int,
                  setting: Setting) -> tuple[list[float], list[float], list[float]]:
-    """(each stage's compute seconds per micro-batch, each boundary's one-way transfer seconds per micro-batch, each
-    stage's tensor-parallel allreduce seconds per micro-batch: 0 with `tensor` 1)."""
+    """Per micro-batch: (each stage's compute seconds, its share of `Setting.costs` scaled by `_stage_work`; each
+    boundary's one-way transfer seconds of the activation; each stage's tensor-parallel allreduce seconds, 0 with
+    `tensor` 1)."""
     m, p, t = layout.microbatches, layout.along, layout.tensor
     micro = batch / layout.copies / m
     bounds = [0, *starts, len(profile.blocks)]
@@ -437,9 +396,9 @@ def _stage_times(profile: NetProfile, layout: Layout, starts: tuple[int, ...], b
 
 
 def _stage_work(profile: NetProfile, first: int, end: int, shares: int, setting: Setting) -> float:
-    """A stage's compute on one of `shares` processes over its compute whole, as tensor parallelism scales a
-    network's: its blocks' unsplit share of the multiply-adds + the split share / shares, times what a share's timed
-    step (`Setting.tensor_work`) adds to the whole network's multiply-adds figure; 1 for one process."""
+    """A stage's compute on one of `shares` processes over its compute whole, as `_tensor` scales a network's: its
+    blocks' unsplit share of the multiply-adds + the split share / shares, times what `Setting.tensor_work` adds to
+    the whole network's multiply-adds figure; 1 for one process."""
     if shares == 1:
         return 1.0
     blocks = profile.blocks[first:end]
@@ -457,15 +416,16 @@ def _stage_exchanges(profile: NetProfile, first: int, end: int, samples: float) 
 
 
 def _window(layout: Layout, times: list[float], transfers: list[float],
-            allreduces: list[float] | None = None) -> tuple[float, list[float]]:
-    """(the schedule's window in seconds, each process's compute in it); a stage's tensor-parallel allreduces are on
-    its critical path beside its compute."""
+            allreduces: list[float]) -> tuple[float, list[float]]:
+    """(the schedule's window in seconds, each process's compute in it). A stage's busy time is its compute, its
+    tensor-parallel allreduces and its transfers both ways (gloo's blocking sends are on the critical path). With
+    one stage per process the window is the stages' work + (m-1) x the slowest stage's; interleaved, (m + (p-1)/v)
+    x the slowest process's."""
     m, p = layout.microbatches, layout.along
     v = STAGES_PER_PROCESS[layout.schedule]
-    last = len(times) - 1
-    work = [t + a for t, a in zip(times, allreduces or [0.0] * len(times))]
-    busy = [w + 2 * (transfers[s - 1] if s > 0 else 0) + 2 * (transfers[s] if s < last else 0)
-            for s, w in enumerate(work)]
+    edges = [0, *transfers, 0]  # no transfer into the first stage or out of the last
+    work = [t + a for t, a in zip(times, allreduces)]
+    busy = [w + 2 * edges[s] + 2 * edges[s + 1] for s, w in enumerate(work)]
     compute = [m * sum(times[s] for s in range(r, len(times), p)) for r in range(p)]
     if v == 1:
         return sum(work) + 2 * sum(transfers) + (m - 1) * max(busy), compute
@@ -476,7 +436,8 @@ def _window(layout: Layout, times: list[float], transfers: list[float],
 def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> tuple[int, ...]:
     """The cut whose schedule window is shortest: every cut tried (up to 20,000 of them), else the cut that
     balances the stages' costs, `Setting.costs` (`src.strategies.pipeline_stages.balanced_starts`, the pipeline
-    strategy's `auto` cut when the costs are the multiply-adds).
+    strategy's `auto` cut when the costs are the multiply-adds). With `tensor` above 1 only cuts that keep the
+    tensor plan's pairs whole are tried (`cuts_inside_pairs`).
 
     Args:
         profile: The network.
@@ -486,8 +447,6 @@ def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Settin
 
     Returns:
         The index of the first block of each stage after the first.
-
-    With `tensor` above 1 only cuts that keep the tensor plan's pairs whole are tried (`cuts_inside_pairs`).
 
     Raises:
         ValueError: As `check_pipeline`; with `tensor` above 1, too few cuts outside the plan's pairs for the
@@ -515,10 +474,12 @@ def best_starts(profile: NetProfile, layout: Layout, batch: int, setting: Settin
 
 
 def _pipeline(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> LayoutFigures:
+    """Pipelines of p processes along, m micro-batches of B / m samples, v stages per process, T processes per stage
+    splitting its layers by the tensor plan: each process holds its stages' parameter shares and the micro-batches
+    of `in_flight`; step = overhead + `_window` + the logits' broadcast + the copies' allreduce."""
     stages, p, m, t = check_pipeline(profile, layout, batch), layout.along, layout.microbatches, layout.tensor
     starts = layout.starts if layout.starts is not None else best_starts(profile, layout, batch, setting)
-    times, transfers, allreduces = _stage_times(profile, layout, starts, batch, setting)
-    window, compute = _window(layout, times, transfers, allreduces)
+    window, compute = _window(layout, *_stage_times(profile, layout, starts, batch, setting))
     each, scale, s = batch // layout.copies, _scale(profile, setting), setting.sizes
     bounds = [0, *starts, len(profile.blocks)]
     held, into, out, shared = _stage_bytes(profile, layout, bounds, each / m, scale)
@@ -534,22 +495,22 @@ def _pipeline(profile: NetProfile, layout: Layout, batch: int, setting: Setting)
         copy_s, copy_sent = _copies_allreduce(layout, s.grads * elements, setting)
         slowest_copy = max(slowest_copy, copy_s)
         peak = sum(held[local[k]] for k in in_flight(layout.schedule, r, p, m))
-        sent = m * sum(out[i] + into[i] for i in local) + (logits * (p - 1) if r == last_rank else 0.0) + copy_sent
-        if t > 1:  # the ring allreduces of its stages' splits, each sending 2(T-1)/T of its bytes
+        buffers = m * sum(out[i] + into[i] for i in local)
+        sent = buffers + (logits * (p - 1) if r == last_rank else 0.0) + copy_sent
+        if t > 1:  # the ring allreduces of its stages' splits
             sent += m * 2 * (t - 1) / t * sum(shared[i] for i in local)
-        ranks.append(RankFigures(r, s.params * elements, s.grads * elements, s.optimizer * elements, peak,
-                                 m * sum(out[i] + into[i] for i in local), sent, 1 - compute[r] / window,
-                                 setting.compute.overhead_s + compute[r]))
+        ranks.append(RankFigures(r, s.params * elements, s.grads * elements, s.optimizer * elements, peak, buffers,
+                                 sent, 1 - compute[r] / window, setting.compute.overhead_s + compute[r]))
     ranks = [replace(f, rank=c * layout.split + f.rank * t + j) for c in range(layout.copies) for f in ranks
              for j in range(t)]
     step = setting.compute.overhead_s + window + broadcast_s + slowest_copy
     step = _on_shared_cores(step, ranks, broadcast_s + slowest_copy, setting)
     names = profile.names
     words = tuple(names[a] if e - a == 1 else f"{names[a]}-{names[e - 1]}" for a, e in zip(bounds, bounds[1:]))
-    v = STAGES_PER_PROCESS[layout.schedule]
     return LayoutFigures(replace(layout, zero_stage=0, starts=tuple(starts)),
                          batch, tuple(ranks), setting.compute.overhead_s + max(compute),
-                         step - setting.compute.overhead_s - max(compute), step, bubble_fraction(p, m, v), words)
+                         step - setting.compute.overhead_s - max(compute), step,
+                         bubble_fraction(p, m, STAGES_PER_PROCESS[layout.schedule]), words)
 
 
 def _stage_bytes(profile: NetProfile, layout: Layout, bounds: list[int], micro: float,
@@ -562,12 +523,15 @@ def _stage_bytes(profile: NetProfile, layout: Layout, bounds: list[int], micro: 
     held = [saved_bytes(profile, stage_saved(profile, a, e, i == stages - 1), micro, t) * scale
             + (profile.blocks[e - 1].output * micro * scale if i < stages - 1 else 0.0)
             for i, (a, e) in enumerate(zip(bounds, bounds[1:]))]
-    into = [0.0] + [profile.blocks[e - 1].output * micro * scale for e in bounds[1:-1]]  # each stage's input
+    into = [0.0] + [profile.blocks[e - 1].output * micro * scale for e in bounds[1:-1]]
     shared = [sum(_stage_exchanges(profile, a, e, micro * scale)) for a, e in zip(bounds, bounds[1:])]
     return held, into, into[1:] + [0.0], shared
 
 
 def _tensor(profile: NetProfile, layout: Layout, batch: int, setting: Setting) -> LayoutFigures:
+    """P shares of every split layer: each process holds the split parameters' and saved tensors' shares and the
+    rest whole; step = overhead + compute x work (the unsplit share + the split share / P of the multiply-adds, or
+    `Setting.tensor_work`) + a ring allreduce per exchange (the partial sums forward, an input's gradient backward)."""
     shares, s = layout.split, setting.sizes
     check_shares(profile, shares)
     each, scale = batch // layout.copies, _scale(profile, setting)
@@ -713,9 +677,8 @@ def predict_ways(ways: Ways, profile: NetProfile, devices: list[int], batches: l
         One answer per device count, in order.
 
     Raises:
-        ValueError: A budget that is not > 0, micro-batches below 1, cuts that name no block; or, for every layout of
-            a way, micro-batches not dividing the batch, more pipeline stages than blocks, cuts that do not give one
-            stage per process, shares that do not divide a split layer or no plan for the network.
+        ValueError: A budget that is not > 0, micro-batches below 1, cuts that name no block; or `predict_layout`'s
+            reason when it refuses every layout of a way.
     """
     if ways.memory_budget_gib is not None and not ways.memory_budget_gib > 0:
         raise ValueError(f"--memory_budget_gib must be > 0 (GiB per device), got {ways.memory_budget_gib}")
@@ -764,20 +727,20 @@ def forecast_ways(ways: Ways, cfg: dict | None, devices: list[int], batch: int, 
     if cfg is None:
         raise ValueError("--ways and --memory_budget_gib need the network's layers: give --config (not "
                          "--network_params)")
-    profile = profile_network(cfg["model"]["class_path"], cfg["model"].get("init_args"))
+    model = (cfg["model"]["class_path"], cfg["model"].get("init_args"))
+    profile = profile_network(*model)
     setting = replace(setting, activation_bytes=8 if config_precision(cfg) == "64-true" else 4)
     batches = [global_batch_for(batch, d, batch_mode) for d in devices]
     if ways.block_costs == "timed":
         from src.scaling.layer_profile import timed_block_costs
 
         micro = max(1, batches[-1] // ways.microbatches)  # the largest device count's micro-batch
-        setting = replace(setting, block_costs=timed_block_costs(cfg["model"]["class_path"],
-                                                                 cfg["model"].get("init_args"), samples=micro),
-                          tensor_work=_timed_tensor_work(ways, cfg, profile, devices, batches))
+        setting = replace(setting, block_costs=timed_block_costs(*model, samples=micro),
+                          tensor_work=_timed_tensor_work(ways, model, profile, devices, batches))
     return predict_ways(ways, profile, devices, batches, setting)
 
 
-def _timed_tensor_work(ways: Ways, cfg: dict, profile: NetProfile, devices: list[int],
+def _timed_tensor_work(ways: Ways, model: tuple[str, dict | None], profile: NetProfile, devices: list[int],
                        batches: list[int]) -> tuple[tuple[int, float], ...]:
     """Tensor parallelism's (shares, work) for each share count of `ways`' tensor layouts that the network's split
     layers take, timed here (`src.scaling.layer_profile.timed_tensor_share`) on the batch one copy of the largest
@@ -786,18 +749,14 @@ def _timed_tensor_work(ways: Ways, cfg: dict, profile: NetProfile, devices: list
 
     if "tensor_parallel" not in ways.chosen():
         return ()
-    batch_of: dict[int, int] = {}
-    for d, batch in zip(devices, batches):
-        for copies in (c for c in range(1, d) if d % c == 0):
-            batch_of[d // copies] = max(1, batch // copies)
+    batch_of = {d // c: max(1, batch // c) for d, batch in zip(devices, batches) for c in range(1, d) if d % c == 0}
     work = []
     for shares, batch in sorted(batch_of.items()):
         try:
             check_shares(profile, shares)
         except ValueError:  # refused by predict_layout with the reason
             continue
-        work.append((shares, timed_tensor_share(cfg["model"]["class_path"], cfg["model"].get("init_args"),
-                                                samples=batch, shares=shares)))
+        work.append((shares, timed_tensor_share(*model, samples=batch, shares=shares)))
     return tuple(work)
 
 
@@ -805,12 +764,12 @@ def _answer(budget_gib: float | None, devices: int, figures: list[LayoutFigures]
     """The fastest layout whose fullest process fits in the budget, or the one that needs least and by how much."""
     if budget_gib is None:
         return ""
+    where = f"in {budget_gib:g} GiB on {devices} device{'s' * (devices > 1)}"
     fit = [f for f in figures if f.fullest.total <= budget_gib * GIB]
     if fit:
         best = fit[0]
-        return (f"fastest that fits in {budget_gib:g} GiB on {devices} device{'s' * (devices > 1)}: "
-                f"{best.layout.label()}, {best.step_s * 1e3:.1f} ms/step, {best.fullest.total / GIB:.4g} GiB on "
-                f"its fullest process ({len(fit)} of {len(figures)} layouts fit)")
+        return (f"fastest that fits {where}: {best.layout.label()}, {best.step_s * 1e3:.1f} ms/step, "
+                f"{best.fullest.total / GIB:.4g} GiB on its fullest process ({len(fit)} of {len(figures)} layouts fit)")
     least = min(figures, key=lambda f: f.fullest.total)
-    return (f"nothing fits in {budget_gib:g} GiB on {devices} device{'s' * (devices > 1)}: the least is "
-            f"{least.layout.label()}, {least.fullest.total / GIB:.4g} GiB on its fullest process")
+    return (f"nothing fits {where}: the least is {least.layout.label()}, {least.fullest.total / GIB:.4g} GiB on its "
+            "fullest process")
