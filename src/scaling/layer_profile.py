@@ -396,7 +396,8 @@ def timed_block_costs(class_path: str, init_args: dict | None = None, samples: i
 
 
 def _share_step(net, x, target, loss_fn, optimizer) -> float:
-    """The process's CPU seconds in one training step of `net` (forward, loss, backward, optimizer step) on `x`."""
+    """The process's CPU seconds in one training step of `net` (forward, loss, backward, optimizer step) on `x`: a busy
+    machine's other processes do not count in it."""
     tic = time.process_time()
     loss = loss_fn(net(x), target)
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
@@ -423,6 +424,7 @@ def _timed_share(class_path: str, init_args_json: str, samples: int, shares: int
     whole, split = built_module(class_path, init_args), built_module(class_path, init_args)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # a fake group: its collectives return at once, so the share's own work is timed without the link's
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shares)
     try:
         apply_plan(split.net.train(), init_device_mesh("cpu", (shares,)))
@@ -430,7 +432,7 @@ def _timed_share(class_path: str, init_args_json: str, samples: int, shares: int
         target = torch.randint(0, 10, (samples,))
         optimizers = [torch.optim.SGD(m.net.parameters(), lr=0.01, momentum=0.9) for m in (whole, split)]
         ratios = []
-        for _ in range(repeats + 2):
+        for _ in range(repeats + 2):  # the first two warm up; each pair back to back, so a busy spell slows both
             pair = [_share_step(m.net.train(), x, target, m.loss_fn, o) for m, o in zip((whole, split), optimizers)]
             ratios.append(pair[1] / pair[0])
     finally:
